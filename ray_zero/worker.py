@@ -1,0 +1,270 @@
+"""One rank's training: build model and data, `deepspeed.initialize`, train, measure.
+
+`train()` needs only torch.distributed to be set up (by Ray Train, or by torchrun in bench/), so the
+bare-DeepSpeed baseline runs the very same code. `train_loop_per_worker()` is the Ray Train entry.
+This is the only module that calls `deepspeed.initialize`; deepspeed is imported inside functions
+so that importing the package stays cheap.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ray_zero.config import Experiment
+from ray_zero.data import mnist_shard, synthetic_shard
+from ray_zero.ds_config import build_ds_config
+from ray_zero.metrics import MemoryProbe, StepTimer, model_state_bytes, peak_tflops, synchronize
+from ray_zero.model import PRESETS, build_model
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[int, dict[str, float]], None]
+
+
+class TrialOutOfMemory(RuntimeError):
+    """A rank ran out of device memory; carries what the memory looked like at that moment."""
+
+    def __init__(self, message: str, memory: dict[str, Any]):
+        super().__init__(message, memory)
+        self.memory = memory
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def _attempt_number(attempt_dir: Optional[str], rank: int) -> int:
+    """1 on a trial's first try, 2 on its first retry...: counted with marker files per rank."""
+    if not attempt_dir:
+        return 1
+    folder = Path(attempt_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    attempt = len(list(folder.glob(f"rank{rank}-attempt-*"))) + 1
+    (folder / f"rank{rank}-attempt-{attempt}").touch()
+    return attempt
+
+
+def _inject_fault(experiment: Experiment, stage: int, rank: int, step: int, attempt: int) -> None:
+    fault = experiment.fault
+    if fault is None or fault.rank != rank or fault.step != step or attempt > fault.attempts:
+        return
+    if fault.stage is not None and fault.stage != stage:
+        return
+    where = f"rank {rank}, step {step}, attempt {attempt}"
+    if fault.kind == "oom":
+        raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (injected by ray_zero's fault option at {where})")
+    if fault.kind == "error":
+        raise RuntimeError(f"injected error (ray_zero's fault option at {where})")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _engine_dtype(engine) -> torch.dtype:
+    if engine.fp16_enabled():
+        return torch.float16
+    if engine.bfloat16_enabled():
+        return torch.bfloat16
+    return torch.float32
+
+
+def train(
+    trial: dict[str, Any],
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    on_progress: Optional[ProgressFn] = None,
+) -> dict[str, Any]:
+    """Train one rank of one trial and return this rank's measurements (a flat dict).
+
+    `trial` holds `experiment` (Experiment as a dict), `point` (stage, micro_batch_size,
+    num_workers), `precision` (resolved) and optionally `attempt_dir`.
+    """
+    experiment = Experiment.model_validate(trial["experiment"])
+    point = trial["point"]
+    probe = MemoryProbe(device)
+    progress = {"phase": "start"}  # where the rank is, for the out-of-memory message
+    try:
+        return _train(experiment, point, trial, rank, world_size, device, probe, on_progress,
+                      set_phase=lambda where: progress.__setitem__("phase", where))
+    except torch.cuda.OutOfMemoryError as error:
+        phase = progress["phase"]
+        peak, current = probe.peak(), probe.current()
+        memory = {"rank": rank, "phase": phase, "peak_allocated_gib": peak["allocated_gib"],
+                  "peak_reserved_gib": peak["reserved_gib"], "allocated_gib": current["allocated_gib"],
+                  "reserved_gib": current["reserved_gib"]}
+        first_line = str(error).strip().splitlines()[0][:300]
+        raise TrialOutOfMemory(
+            f"rank {rank} out of memory during {phase}: peak allocated {peak['allocated_gib']:.2f} GiB, "
+            f"reserved {peak['reserved_gib']:.2f} GiB ({first_line})", memory) from None
+
+
+def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_size: int,
+           device: torch.device, probe: MemoryProbe, on_progress: Optional[ProgressFn],
+           set_phase: Callable[[str], None]) -> dict[str, Any]:
+    import deepspeed
+
+    stage, micro, accum = point["stage"], point["micro_batch_size"], experiment.gradient_accumulation_steps
+    attempt = _attempt_number(trial.get("attempt_dir"), rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    probe.reset_peak()
+    timeline: dict[str, float] = {}
+    torch.manual_seed(experiment.seed)  # same initial weights on every rank
+
+    set_phase("model build")
+    model = build_model(experiment.model).to(device)
+    timeline["after_model"] = probe.current()["allocated_gib"]
+
+    set_phase("data load")
+    if experiment.dataset == "mnist":
+        shard = mnist_shard(experiment.data_dir, rank, world_size, device)
+    else:
+        shard = synthetic_shard(micro * accum, world_size, experiment.seed + rank, device)
+    steps_per_epoch = shard.batches_per_epoch(micro) // accum
+    if steps_per_epoch < 1:
+        raise ValueError(f"micro_batch_size {micro} x gradient_accumulation_steps {accum} is more than "
+                         f"this rank's {len(shard.labels)} samples ({shard.source})")
+    total_steps = experiment.steps or experiment.epochs * steps_per_epoch
+    if experiment.warmup_steps >= total_steps:
+        raise ValueError(f"warmup_steps ({experiment.warmup_steps}) must be less than the "
+                         f"{total_steps} steps this trial trains")
+    batches = shard.micro_batches(micro, seed=experiment.seed + rank)
+    timeline["after_data"] = probe.current()["allocated_gib"]
+
+    set_phase("deepspeed.initialize")
+    ds_config = build_ds_config(
+        stage=stage, micro_batch_size=micro, gradient_accumulation_steps=accum, world_size=world_size,
+        precision=trial["precision"], optimizer_type=experiment.optimizer.type, lr=experiment.optimizer.lr,
+        betas=tuple(experiment.optimizer.betas), eps=experiment.optimizer.eps,
+        weight_decay=experiment.optimizer.weight_decay, reduce_bucket_size=experiment.reduce_bucket_size,
+        allgather_bucket_size=experiment.allgather_bucket_size)
+    init_started = time.perf_counter()
+    # One optimizer, from the config: no client optimizer (the seed script passed both).
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=ds_config)
+    initialize_s = time.perf_counter() - init_started
+    dtype = _engine_dtype(engine)
+    timeline["after_initialize"] = probe.current()["allocated_gib"]
+
+    states: dict[str, int] = {}
+    losses_by_epoch: list[float] = []
+    epoch_loss_sum = torch.zeros((), device=device)
+    loss_first = loss_last = float("nan")
+    timer = StepTimer(device)
+    whole_peak = {"allocated_gib": 0.0, "reserved_gib": 0.0}
+    window_started, window_step = time.perf_counter(), 0
+    engine.train()
+    for step in range(total_steps):
+        set_phase(f"step {step}")
+        if step == experiment.warmup_steps:
+            # Peaks so far include initialize and warm-up; the timed peak starts from here.
+            synchronize(device)
+            whole_peak = probe.peak()
+            probe.reset_peak()
+            timer.start()
+            window_started, window_step = time.perf_counter(), step
+        _inject_fault(experiment, stage, rank, step, attempt)
+        step_loss = torch.zeros((), device=device)
+        for micro_step in range(accum):
+            images, labels = next(batches)
+            logits = engine(images.to(dtype))  # inputs in the engine's dtype (the seed fed fp32 to fp16)
+            loss = F.cross_entropy(logits.float(), labels)
+            engine.backward(loss)
+            if step == 0 and micro_step == 0:
+                synchronize(device)
+                timeline["after_first_backward"] = probe.current()["allocated_gib"]
+                states["gradient_bytes_after_backward"] = model_state_bytes(engine.module, optimizer)["gradient_bytes"]
+            engine.step()
+            step_loss += loss.detach() / accum
+        epoch_loss_sum += step_loss
+        if step == 0:
+            synchronize(device)
+            timeline["after_first_step"] = probe.current()["allocated_gib"]
+            states.update(model_state_bytes(engine.module, optimizer))
+            loss_first = step_loss.item()
+        if (step + 1) % steps_per_epoch == 0 and experiment.epochs is not None:
+            losses_by_epoch.append(epoch_loss_sum.item() / steps_per_epoch)
+            epoch_loss_sum.zero_()
+        if step == total_steps - 1:
+            loss_last = step_loss.item()
+        elif (step + 1) % experiment.live_metrics_every == 0:
+            # .item() waits for the device: that makes the window's rate honest.
+            loss_value = step_loss.item()
+            now = time.perf_counter()
+            if on_progress is not None and step >= experiment.warmup_steps:
+                rate = (step + 1 - window_step) * micro * accum / max(now - window_started, 1e-9)
+                on_progress(step + 1, {"loss": loss_value, "samples_per_s": rate,
+                                       "peak_allocated_gib": max(whole_peak["allocated_gib"],
+                                                                 probe.peak()["allocated_gib"])})
+            window_started, window_step = now, step + 1
+    timed_s = timer.stop()
+    timed_peak = probe.peak()
+    set_phase("finish")
+
+    timed_steps = total_steps - experiment.warmup_steps
+    samples_per_s = timed_steps * micro * accum / timed_s if timed_s > 0 else float("nan")
+    preset = PRESETS[experiment.model]
+    achieved_tflops = samples_per_s * preset.flops_per_sample() / 1e12
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = peak_tflops(device_name, trial["precision"]) if device.type == "cuda" else None
+    result = {
+        "rank": rank,
+        "attempt": attempt,
+        "device_name": device_name,
+        "memory_kind": probe.kind,
+        "steps": total_steps,
+        "timed_steps": timed_steps,
+        "timed_s": timed_s,
+        "initialize_s": initialize_s,
+        "samples_per_s": samples_per_s,
+        "tflops": achieved_tflops,
+        "mfu": achieved_tflops / peak if peak else None,
+        "loss_first": loss_first,
+        "loss_last": loss_last,
+        "loss_by_epoch": losses_by_epoch,
+        "peak_allocated_gib": max(whole_peak["allocated_gib"], timed_peak["allocated_gib"]),
+        "peak_reserved_gib": max(whole_peak["reserved_gib"], timed_peak["reserved_gib"]),
+        "timed_peak_allocated_gib": timed_peak["allocated_gib"],
+        "timed_peak_reserved_gib": timed_peak["reserved_gib"],
+        "nvml_used_gib": probe.nvml_used_gib(),
+        "data_source": shard.source,
+    }
+    result.update({f"memory_{k}_gib": v for k, v in timeline.items()})
+    result.update(states)
+    result["gradient_bytes"] = max(states.get("gradient_bytes", 0), states.pop("gradient_bytes_after_backward", 0))
+    return result
+
+
+def train_loop_per_worker(trial: dict[str, Any]) -> None:
+    """Ray Train entry point: run `train` on this worker, publish live gauges, report once."""
+    import ray.train
+    import ray.train.torch
+    from ray.util.metrics import Gauge
+
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    device = ray.train.torch.get_device() if trial["use_gpu"] else torch.device("cpu")
+    point = trial["point"]
+    tags = {"trial": trial.get("trial_name", ""), "stage": str(point["stage"]),
+            "micro_batch_size": str(point["micro_batch_size"]), "num_workers": str(point["num_workers"]),
+            "rank": str(rank)}
+    gauges = {name: Gauge(f"ray_zero_{name}", description=text, tag_keys=tuple(tags))
+              for name, text in (("loss", "training loss of the latest step"),
+                                 ("samples_per_s", "this rank's samples per second, recent steps"),
+                                 ("peak_allocated_gib", "this rank's peak memory so far, GiB"),
+                                 ("step", "optimizer steps done"))}
+
+    def publish(step: int, values: dict[str, float]) -> None:
+        gauges["step"].set(step, tags=tags)
+        for name, value in values.items():
+            gauges[name].set(value, tags=tags)
+
+    metrics = train(trial, rank, world_size, device, on_progress=publish)
+    publish(metrics["steps"], {"loss": metrics["loss_last"], "samples_per_s": metrics["samples_per_s"],
+                               "peak_allocated_gib": metrics["peak_allocated_gib"]})
+    ray.train.report(metrics)
