@@ -132,14 +132,16 @@ def provenance(experiment: Experiment, cluster: Cluster, plan: Plan, command: st
 
 
 def _start_ray(address: Optional[str]):
-    """Join the cluster at `address` (or RAY_ADDRESS), else start a private Ray bound to 127.0.0.1."""
+    """Join the cluster at `address` (or RAY_ADDRESS, or the Ray this process already runs), else start
+    a private Ray whose dashboard binds to 127.0.0.1. Returns (context, address joined or None)."""
     import ray
 
+    if ray.is_initialized():
+        return ray.get_runtime_context(), "the running Ray instance"
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         return ray.init(address=address, log_to_driver=True), address
-    context = ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True,
-                       configure_logging=False)
+    context = ray.init(dashboard_host="127.0.0.1", log_to_driver=True, configure_logging=False)
     return context, None
 
 
@@ -165,9 +167,23 @@ class _ResultsWriter:
         else:  # the trial's driver itself died: still a row
             self.rows[trial_name(trial.config["point"])] = _crashed_row(trial)
         write_results(self.output_dir, list(self.rows.values()), self.provenance)
+        print(trial_summary(self.rows[trial_name(trial.config["point"])]), flush=True)
 
 
 _ROW_KEYS: set[str] = set()
+
+
+def trial_summary(row: dict[str, Any]) -> str:
+    """One line per finished trial (Tune's own tables are switched off: verbose=0)."""
+    def number(key: str, fmt: str) -> str:
+        value = row.get(key)
+        return format(value, fmt) if isinstance(value, (int, float)) else "-"
+
+    text = (f"ray_zero: {row['trial']}: {row['status']}; loss {number('loss_first', '.3f')} -> "
+            f"{number('loss_last', '.3f')}, {number('samples_per_s', '.0f')} samples/s, peak "
+            f"{number('peak_allocated_gib_max', '.3f')} GiB (predicted {number('predicted_peak_gib', '.3f')}), "
+            f"{number('wall_s', '.1f')} s")
+    return text + (f"; {row['error']}" if row.get("error") else "")
 
 
 def _crashed_row(trial) -> dict[str, Any]:
@@ -201,21 +217,20 @@ def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] =
 
     from ray_zero.plots import write_plots
     from ray_zero.report import COLUMNS
-    from ray_zero.trial import _join, run_trial, trial_name
+    from ray_zero.trial import join_storage, run_trial, trial_name
 
     _ROW_KEYS.update(COLUMNS)
     command = command or " ".join(shlex.quote(a) for a in ["python", "-m", "ray_zero", *sys.argv[1:]])
     output_dir = output_dir.resolve()
     check_output_dir(output_dir)
-    joining = bool(address or os.environ.get("RAY_ADDRESS"))
-    if not joining:
+    if not (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
         plan_sweep(experiment, local_cluster())  # reject impossible grids before Ray starts
 
     context, joined = _start_ray(address)
     try:
         cluster = _remote_cluster(joined) if joined else local_cluster()
         plan = plan_sweep(experiment, cluster)
-        dashboard = getattr(context, "dashboard_url", None)
+        dashboard = getattr(context, "dashboard_url", None) or ray._private.worker.get_dashboard_url()
         print(f"ray_zero: Ray dashboard at http://{dashboard}" if dashboard else
               "ray_zero: no Ray dashboard (install ray[default] for it)", flush=True)
         prov = provenance(experiment, cluster, plan, command)
@@ -235,7 +250,7 @@ def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] =
         # 2-CPU machine can still run a 2-worker trial. Tune needs some resource in the request:
         # a little memory, which the driver does use.
         trainable = tune.with_resources(run_trial, {"cpu": 0, "memory": DRIVER_MEMORY_BYTES})
-        tune_dir = _join(storage, "tune")
+        tune_dir = join_storage(storage, "tune")
         if resume:
             tuner = tune.Tuner.restore(tune_dir, trainable=trainable, resume_unfinished=True,
                                        resume_errored=False, restart_errored=True)
@@ -255,7 +270,7 @@ def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] =
                     trial_dirname_creator=lambda t: f"{trial_name(t.config['point'])}_{t.trial_id}",
                 ),
                 run_config=tune.RunConfig(name="tune", storage_path=storage,
-                                          callbacks=[_tune_callback(writer)], verbose=1),
+                                          callbacks=[_tune_callback(writer)], verbose=0),
             )
         grid = tuner.fit()
         for result in grid:

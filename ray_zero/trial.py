@@ -146,7 +146,7 @@ class AllRanksCallback(UserCallback):
         self.queue.put(list(metrics))
 
 
-def _join(storage: str, name: str) -> str:
+def join_storage(storage: str, name: str) -> str:
     return f"{storage.rstrip('/')}/{name}" if "://" in storage else str(Path(storage) / name)
 
 
@@ -172,7 +172,7 @@ def run_trial(config: dict[str, Any]) -> None:
         scaling_config=ScalingConfig(num_workers=point["num_workers"], use_gpu=use_gpu,
                                      resources_per_worker=resources,
                                      placement_strategy=experiment.placement_strategy),
-        run_config=RunConfig(name=context.get_trial_id(), storage_path=_join(config["storage_path"], "train"),
+        run_config=RunConfig(name=context.get_trial_id(), storage_path=join_storage(config["storage_path"], "train"),
                              failure_config=FailureConfig(max_failures=experiment.max_failures),
                              callbacks=[AllRanksCallback(queue)]),
     )

@@ -1,0 +1,9 @@
+# Source this on the lent GPU machine (no network, no Ray/DeepSpeed there): installs the offline
+# bundle that ../shared/tools/gpu-bundle.sh built into .whl/, and keeps NVLink multicast off.
+#   source scripts/gpu-env.sh
+SITE=${SITE:-/tmp/site}
+mkdir -p "$SITE"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl
+tar -xJf .whl/ray-*.tar.xz -C "$SITE"
+export PYTHONPATH="$SITE:$PWD" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
