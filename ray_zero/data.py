@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 SYNTHETIC_SAMPLES = 8192
 """Size of the synthetic set before sharding: random data has no epochs worth the name."""
+SAMPLE_BYTES = IMAGE_SIZE * IMAGE_SIZE * 4 + 8
+"""One sample on the device: float32 pixels and an int64 label."""
 
 
 @dataclass
@@ -81,9 +83,14 @@ def mnist_shard(data_dir: str, rank: int, world_size: int, device: torch.device)
     return Batches(normalised.to(device), labels.to(device), source)
 
 
+def synthetic_count(min_samples: int, world_size: int) -> int:
+    """Samples per rank of the synthetic set: a share of SYNTHETIC_SAMPLES, at least one step's worth."""
+    return max(SYNTHETIC_SAMPLES // world_size, min_samples)
+
+
 def synthetic_shard(min_samples: int, world_size: int, seed: int, device: torch.device) -> Batches:
     """Random images and labels made directly on the device, for pure memory and speed runs."""
-    count = max(SYNTHETIC_SAMPLES // world_size, min_samples)
+    count = synthetic_count(min_samples, world_size)
     generator = torch.Generator(device=device).manual_seed(seed)
     images = torch.randn(count, 1, IMAGE_SIZE, IMAGE_SIZE, device=device, generator=generator)
     labels = torch.randint(0, NUM_CLASSES, (count,), device=device, generator=generator)

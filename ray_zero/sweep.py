@@ -82,7 +82,7 @@ def plan_sweep(experiment: Experiment, cluster: Cluster) -> Plan:
 def skipped_row(experiment: Experiment, point: dict[str, int], plan: Plan, cluster: Cluster) -> dict[str, Any]:
     from ray_zero.trial import base_row, finish_row
 
-    row = base_row(experiment, point, plan.precision)
+    row = base_row(experiment, point, plan.precision, plan.use_gpu)
     unit = "GPUs" if plan.use_gpu else "CPU workers"
     row.update(status="skipped",
                error=f"needs {point['num_workers']} workers; {cluster.source} has room for {plan.capacity} {unit}")
@@ -190,7 +190,7 @@ def _crashed_row(trial) -> dict[str, Any]:
     from ray_zero.trial import base_row, finish_row
 
     experiment = Experiment.model_validate(trial.config["experiment"])
-    row = base_row(experiment, trial.config["point"], trial.config["precision"])
+    row = base_row(experiment, trial.config["point"], trial.config["precision"], trial.config["use_gpu"])
     error = getattr(trial, "error_msg", None) or "the trial's driver process stopped without a result"
     row.update(status="failed", error=str(error).strip().splitlines()[-1][:400])
     return finish_row(row)

@@ -18,6 +18,7 @@ from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 from ray.util.queue import Queue
 
 from ray_zero.config import Experiment
+from ray_zero.data import SAMPLE_BYTES, synthetic_count
 from ray_zero.memory_model import predict_row
 from ray_zero.model import PRESETS
 from ray_zero.report import COLUMNS
@@ -29,7 +30,7 @@ _MAX_MIN = {
     "timed_peak_allocated_gib": "timed_peak_allocated_gib", "nvml_used_gib": "nvml_used_gib",
     "optimizer_state_bytes": "optimizer_state_bytes_per_rank", "parameter_bytes": "parameter_bytes_per_rank",
     "gradient_bytes": "gradient_bytes_per_rank", "master_param_bytes": "master_param_bytes_per_rank",
-    "other_optimizer_bytes": "other_optimizer_bytes_per_rank",
+    "other_optimizer_bytes": "other_optimizer_bytes_per_rank", "data_bytes": "data_bytes_per_rank",
 }
 GIB = 1024 ** 3
 
@@ -67,37 +68,52 @@ def aggregate_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         row[key] = first.get(key)
     row["device"] = first.get("device_name")
     row["attempts"] = max((r.get("attempt", 1) for r in per_rank), default=None)
-    init = _numbers(per_rank, "initialize_s")
-    row["initialize_s"] = max(init) if init else None
+    # Where the trial's time went, slowest rank first: the start-up breakdown of bench/README.md.
+    for key in ("model_build_s", "data_load_s", "initialize_s", "warmup_s", "timed_s"):
+        values = _numbers(per_rank, key)
+        row[key] = max(values) if values else None
+    for key, pick in (("process_started_at", max), ("train_started_at", max), ("finished_at", max)):
+        values = _numbers(per_rank, key)
+        row[key] = pick(values) if values else None
     return row
 
 
-def base_row(experiment: Experiment, point: dict[str, int], precision: str) -> dict[str, Any]:
-    """What is known of a trial before it runs: its grid point, settings and the memory prediction."""
-    row = {
+def base_row(experiment: Experiment, point: dict[str, int], precision: str, use_gpu: bool) -> dict[str, Any]:
+    """What is known of a trial before it runs: its grid point and settings."""
+    return {
         "stage": point["stage"], "micro_batch_size": point["micro_batch_size"],
         "num_workers": point["num_workers"], "precision": precision, "model": experiment.model,
         "params": PRESETS[experiment.model].param_count(), "dataset": experiment.dataset,
         "steps": experiment.steps, "global_batch": experiment.global_batch(point["micro_batch_size"],
                                                                          point["num_workers"]),
+        "memory_kind": "cuda" if use_gpu else "cpu_rss", "reduce_bucket_size": experiment.reduce_bucket_size,
         "trial": trial_name(point),
     }
-    row.update(predict_row(experiment.model, point["stage"], point["num_workers"], precision,
-                           point["micro_batch_size"], experiment.reduce_bucket_size))
-    return row
+
+
+def _expected_data_bytes(row: dict[str, Any]) -> float:
+    """The rank's data shard as reported; before any report, known exactly for synthetic data only."""
+    if isinstance(row.get("data_bytes_per_rank_max"), (int, float)):
+        return row["data_bytes_per_rank_max"]
+    if row["dataset"] == "synthetic":
+        accumulation = row["global_batch"] // (row["micro_batch_size"] * row["num_workers"])
+        return synthetic_count(row["micro_batch_size"] * accumulation, row["num_workers"]) * SAMPLE_BYTES
+    return 0.0
 
 
 def finish_row(row: dict[str, Any]) -> dict[str, Any]:
-    """Derived comparison columns, and every column present."""
+    """Prediction and comparison columns, and every column present, in table order."""
+    row.update(predict_row(row["model"], row["stage"], row["num_workers"], row["precision"],
+                           row["micro_batch_size"], row["reduce_bucket_size"],
+                           on_gpu=row["memory_kind"] == "cuda", data_bytes=_expected_data_bytes(row)))
     measured_states = [row.get(f"{k}_per_rank_max") for k in
                        ("parameter_bytes", "gradient_bytes", "master_param_bytes", "optimizer_state_bytes")]
     if all(isinstance(v, (int, float)) for v in measured_states):
         row["measured_model_state_gib"] = sum(measured_states) / GIB
     peak, predicted = row.get("peak_allocated_gib_max"), row.get("predicted_peak_gib")
     # On CPU the peak is the resident set (Python, torch, Ray included): no like-for-like ratio.
-    if row.get("memory_kind") == "cuda" and peak and predicted:
+    if row["memory_kind"] == "cuda" and peak and predicted:
         row["measured_over_predicted"] = peak / predicted
-    row.pop("predicted_optimizer_state_bytes", None)
     return {column: row.get(column) for column in COLUMNS} | {
         k: v for k, v in row.items() if k not in COLUMNS}
 
@@ -155,7 +171,7 @@ def run_trial(config: dict[str, Any]) -> None:
     experiment = Experiment.model_validate(config["experiment"])
     point, precision, use_gpu = config["point"], config["precision"], config["use_gpu"]
     context = tune.get_context()
-    row = base_row(experiment, point, precision)
+    row = base_row(experiment, point, precision, use_gpu)
     trial = {"experiment": config["experiment"], "point": point, "precision": precision,
              "use_gpu": use_gpu, "trial_name": context.get_trial_name()}
     if experiment.fault is not None:
@@ -176,13 +192,14 @@ def run_trial(config: dict[str, Any]) -> None:
                              failure_config=FailureConfig(max_failures=experiment.max_failures),
                              callbacks=[AllRanksCallback(queue)]),
     )
-    started = time.perf_counter()
+    row["fit_started_at"] = time.time()
     try:
         trainer.fit()
         row["status"] = "ok"
     except TrainingFailedError as error:
         row.update(failure_fields(error))
-    row["wall_s"] = time.perf_counter() - started
+    row["fit_finished_at"] = time.time()
+    row["wall_s"] = row["fit_finished_at"] - row["fit_started_at"]
     reports = []
     while not queue.empty():
         reports = queue.get_nowait()  # the last report holds each rank's final measurements

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import psutil
 import torch
 import torch.nn.functional as F
 
@@ -116,9 +117,11 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
     timeline: dict[str, float] = {}
     torch.manual_seed(experiment.seed)  # same initial weights on every rank
 
+    marks = {"train_started_at": time.time()}  # wall-clock marks, for the start-up breakdown
     set_phase("model build")
     model = build_model(experiment.model).to(device)
     timeline["after_model"] = probe.current()["allocated_gib"]
+    marks["model_built_at"] = time.time()
 
     set_phase("data load")
     if experiment.dataset == "mnist":
@@ -135,6 +138,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
                          f"{total_steps} steps this trial trains")
     batches = shard.micro_batches(micro, seed=experiment.seed + rank)
     timeline["after_data"] = probe.current()["allocated_gib"]
+    marks["data_loaded_at"] = time.time()
 
     set_phase("deepspeed.initialize")
     ds_config = build_ds_config(
@@ -143,11 +147,10 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         betas=tuple(experiment.optimizer.betas), eps=experiment.optimizer.eps,
         weight_decay=experiment.optimizer.weight_decay, reduce_bucket_size=experiment.reduce_bucket_size,
         allgather_bucket_size=experiment.allgather_bucket_size)
-    init_started = time.perf_counter()
     # One optimizer, from the config: no client optimizer (the seed script passed both).
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                    config=ds_config)
-    initialize_s = time.perf_counter() - init_started
+    marks["initialized_at"] = time.time()
     dtype = _engine_dtype(engine)
     timeline["after_initialize"] = probe.current()["allocated_gib"]
 
@@ -167,6 +170,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
             whole_peak = probe.peak()
             probe.reset_peak()
             timer.start()
+            marks["warmed_up_at"] = time.time()
             window_started, window_step = time.perf_counter(), step
         _inject_fault(experiment, stage, rank, step, attempt)
         step_loss = torch.zeros((), device=device)
@@ -204,6 +208,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
             window_started, window_step = now, step + 1
     timed_s = timer.stop()
     timed_peak = probe.peak()
+    marks["finished_at"] = time.time()
     set_phase("finish")
 
     timed_steps = total_steps - experiment.warmup_steps
@@ -220,7 +225,11 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         "steps": total_steps,
         "timed_steps": timed_steps,
         "timed_s": timed_s,
-        "initialize_s": initialize_s,
+        "model_build_s": marks["model_built_at"] - marks["train_started_at"],
+        "data_load_s": marks["data_loaded_at"] - marks["model_built_at"],
+        "initialize_s": marks["initialized_at"] - marks["data_loaded_at"],
+        "warmup_s": marks["warmed_up_at"] - marks["initialized_at"],
+        "data_bytes": shard.images.nbytes + shard.labels.nbytes,
         "samples_per_s": samples_per_s,
         "tflops": achieved_tflops,
         "mfu": achieved_tflops / peak if peak else None,
@@ -235,6 +244,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         "data_source": shard.source,
     }
     result.update({f"memory_{k}_gib": v for k, v in timeline.items()})
+    result.update(marks)
     result.update(states)
     result["gradient_bytes"] = max(states.get("gradient_bytes", 0), states.pop("gradient_bytes_after_backward", 0))
     return result
@@ -246,6 +256,7 @@ def train_loop_per_worker(trial: dict[str, Any]) -> None:
     import ray.train.torch
     from ray.util.metrics import Gauge
 
+    process_started_at = psutil.Process().create_time()
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device() if trial["use_gpu"] else torch.device("cpu")
@@ -265,6 +276,7 @@ def train_loop_per_worker(trial: dict[str, Any]) -> None:
             gauges[name].set(value, tags=tags)
 
     metrics = train(trial, rank, world_size, device, on_progress=publish)
+    metrics["process_started_at"] = process_started_at
     publish(metrics["steps"], {"loss": metrics["loss_last"], "samples_per_s": metrics["samples_per_s"],
                                "peak_allocated_gib": metrics["peak_allocated_gib"]})
     ray.train.report(metrics)

@@ -1,0 +1,32 @@
+"""One local Ray instance for the whole test session (real Ray, real DeepSpeed, CPU)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def ray_instance():
+    """A local Ray shared by every in-process sweep of the session (run_sweep reuses it)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _run_cli(*args: str, cwd: Path = ROOT, timeout: float = 120, env: dict | None = None):
+    return subprocess.run([sys.executable, "-m", "ray_zero", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """`cli("sweep", ...)`: run `python -m ray_zero ...` in a fresh process, as a user would."""
+    return _run_cli

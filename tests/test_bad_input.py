@@ -1,0 +1,48 @@
+"""Each kind of bad input: exit code 2, one line naming the problem and what is allowed, no traceback,
+and Ray never started (no dashboard line)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+QUICK = "experiments/quick.yaml"
+# (case, arguments after `sweep` with {tmp} for the test's folder, what the one line must say)
+CASES = [
+    ("malformed yaml", ["{tmp}/broken.yaml"], "malformed YAML at line"),
+    ("not a mapping", ["{tmp}/list.yaml"], "must hold a mapping of keys"),
+    ("unknown key", [QUICK, "--set", "grid.stages=[0]"], "grid.stages: unknown key; did you mean 'stage'?"),
+    ("wrong type", [QUICK, "--set", "steps=many"], "steps: should be a valid integer, got 'many'"),
+    ("stage out of range", [QUICK, "--set", "grid.stage=[0,4]"], "should be 0, 1, 2 or 3, got 4"),
+    ("batch below one", [QUICK, "--set", "grid.micro_batch_size=[0]"], "micro_batch_size: must be integers of at least 1"),
+    ("workers below one", [QUICK, "--set", "grid.num_workers=[0,1]"], "num_workers: must be integers of at least 1"),
+    ("no point fits", [QUICK, "--set", "grid.num_workers=[4096]"], "no grid point can run"),
+    ("fp16 on cpu", [QUICK, "--set", "precision=fp16", "--set", "device=cpu"], "precision fp16 needs a GPU"),
+    ("missing file", ["{tmp}/nope.yaml"], "experiment file not found"),
+    ("unwritable output", [QUICK, "--output", "{tmp}/a_file/out"], "is not writable"),
+    ("malformed set", [QUICK, "--set", "steps"], "expected KEY=VALUE"),
+    ("unknown option", [QUICK, "--stages", "1"], "unrecognized arguments"),
+]
+
+
+@pytest.mark.parametrize("case, args, expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_line_before_ray_starts(case, args, expected, tmp_path, cli):
+    (tmp_path / "broken.yaml").write_text("steps: 4\ngrid: {stage: [0, 1]\n")
+    (tmp_path / "list.yaml").write_text("- steps\n")
+    (tmp_path / "a_file").write_text("not a folder")
+    done = cli("sweep", *[a.format(tmp=tmp_path) for a in args])
+    stderr_lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, done.stderr
+    assert len(stderr_lines) == 1, done.stderr
+    assert expected in stderr_lines[0] and stderr_lines[0].startswith("ray_zero: error: ")
+    assert "Traceback" not in done.stderr and "dashboard" not in done.stdout
+
+
+def test_fp16_on_a_cpu_only_machine_is_refused_before_ray(cli):
+    done = cli("sweep", QUICK, "--set", "precision=fp16", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 2 and "fp16 needs a GPU" in done.stderr and "dashboard" not in done.stdout
+
+
+def test_report_of_a_folder_without_results(tmp_path, cli):
+    done = cli("report", str(tmp_path))
+    assert done.returncode == 2 and "no results.csv here" in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,76 @@
+"""Experiment files, overrides and validation (pure: no Ray)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ray_zero.config import ConfigError, Experiment, apply_override, load_experiment, validate_experiment
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted((ROOT / "experiments").glob("*.yaml"))
+
+
+def test_the_four_named_experiments_ship():
+    assert {p.stem for p in EXPERIMENTS} >= {"quick", "zero1_mnist", "memory_scaling", "batch_sweep"}
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=lambda p: p.stem)
+def test_every_experiment_loads_and_says_what_it_answers(path: Path):
+    experiment = load_experiment(path)
+    assert isinstance(experiment, Experiment) and experiment.name == path.stem
+    first_line = path.read_text().splitlines()[0]
+    assert first_line.startswith("# Question:"), f"{path.name} must open with the question it answers"
+    assert experiment.grid.points()
+
+
+def test_zero1_mnist_is_the_seed_experiment():
+    e = load_experiment(ROOT / "experiments" / "zero1_mnist.yaml")
+    assert (e.model, e.dataset, e.epochs, e.grid.stage, e.grid.micro_batch_size, e.grid.num_workers) == \
+        ("seed", "mnist", 3, [0, 1], [64], [1])
+    assert e.resolved_precision(use_gpu=True) == "fp16" and e.resolved_precision(use_gpu=False) == "fp32"
+
+
+def test_overrides_take_dotted_keys_and_yaml_values():
+    e = load_experiment(ROOT / "experiments" / "quick.yaml", ["grid.num_workers=[1,3]", "steps=8",
+                                                              "optimizer.lr=0.01", "grid.stage=2"])
+    assert e.grid.num_workers == [1, 3] and e.steps == 8 and e.optimizer.lr == 0.01 and e.grid.stage == [2]
+    assert len(e.grid.points()) == 2
+
+
+def test_grid_points_are_the_cartesian_product():
+    e = validate_experiment({"steps": 4, "grid": {"stage": [1, 0], "micro_batch_size": [8, 4], "num_workers": [2]}})
+    assert e.grid.points() == [
+        {"stage": s, "micro_batch_size": b, "num_workers": 2} for s in (0, 1) for b in (4, 8)]
+    assert e.global_batch(8, 2) == 16
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ({"steps": 5, "grid": {"stage": [0, 5]}}, "grid.stage[1]: should be 0, 1, 2 or 3, got 5"),
+    ({"steps": 5, "grid": {"stages": [0]}}, "grid.stages: unknown key; did you mean 'stage'?"),
+    ({"steps": "ten"}, "steps: should be a valid integer, got 'ten'"),
+    ({"steps": 5, "grid": {"num_workers": [0]}}, "grid.num_workers: must be integers of at least 1, got 0"),
+    ({"steps": 5, "grid": {"micro_batch_size": [-4]}}, "grid.micro_batch_size: must be integers of at least 1"),
+    ({"steps": 5, "device": "cpu", "precision": "fp16"}, "precision fp16 needs a GPU"),
+    ({}, "set exactly one of epochs or steps"),
+    ({"steps": 2, "warmup_steps": 2}, "warmup_steps (2) must be less than steps (2)"),
+    ({"steps": 5, "model": "huge"}, "model: should be 'seed', 'base' or 'large', got 'huge'"),
+    ({"steps": 5, "optimizer": {"lrr": 0.1}}, "optimizer.lrr: unknown key; did you mean 'lr'?"),
+    ({"steps": True}, "steps: should be a valid integer, got True"),
+])
+def test_bad_values_are_one_line_naming_key_and_allowed(raw, expected):
+    with pytest.raises(ConfigError) as caught:
+        validate_experiment(raw)
+    message = str(caught.value)
+    assert expected in message and "\n" not in message
+
+
+@pytest.mark.parametrize("item", ["steps", "=3", "a..b=1", "steps=[1"])
+def test_malformed_set_is_rejected(item):
+    with pytest.raises(ConfigError, match="--set"):
+        apply_override({}, item)
+
+
+def test_set_into_a_value_is_rejected():
+    with pytest.raises(ConfigError, match="steps is a value, not a section"):
+        apply_override({"steps": 1}, "steps.x=1")

@@ -1,0 +1,86 @@
+"""End to end on CPU with real Ray, real DeepSpeed and real MNIST digits: the quick grid, and stages 2/3."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from ray_zero.config import load_experiment
+from ray_zero.report import COLUMNS
+from ray_zero.sweep import run_sweep
+
+REQUIRED = ["stage", "micro_batch_size", "num_workers", "precision", "model", "params", "dataset", "steps",
+            "status", "loss_first", "loss_last", "samples_per_s", "samples_per_s_per_worker",
+            "peak_allocated_gib_max", "peak_reserved_gib_max", "optimizer_state_bytes_per_rank_max", "wall_s"]
+
+
+@pytest.fixture(scope="module")
+def quick_sweep(ray_instance, tmp_path_factory):
+    output = tmp_path_factory.mktemp("quick")
+    experiment = load_experiment("experiments/quick.yaml", ["steps=6", "warmup_steps=2",
+                                                            f"data_dir={output / 'mnist'}"])
+    frame = run_sweep(experiment, output, command="pytest quick")
+    return output, frame
+
+
+def test_quick_grid_gives_four_ok_rows(quick_sweep):
+    output, frame = quick_sweep
+    table = pd.read_csv(output / "results.csv")
+    assert list(table.columns[:len(REQUIRED)]) == REQUIRED and set(COLUMNS) <= set(table.columns)
+    assert len(table) == 4 and set(table["status"]) == {"ok"}
+    assert sorted(zip(table["stage"], table["num_workers"])) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert all(math.isfinite(v) for v in table["loss_first"]) and all(math.isfinite(v) for v in table["loss_last"])
+    assert (table["precision"] == "fp32").all() and (table["params"] == 274_698).all()
+    assert (table["samples_per_s"] > 0).all() and (table["peak_allocated_gib_max"] > 0).all()
+    assert (table["memory_kind"] == "cpu_rss").all()
+    assert table["data_source"].str.contains("MNIST").all()
+
+
+def test_zero1_halves_optimizer_state_per_rank_at_two_workers(quick_sweep):
+    _, frame = quick_sweep
+    state = {(r.stage, r.num_workers): r.optimizer_state_bytes_per_rank_max for r in frame.itertuples()}
+    assert abs(state[(1, 2)] / state[(0, 2)] - 0.5) < 0.01
+    assert abs(state[(1, 1)] / state[(0, 1)] - 1.0) < 0.01
+    assert state[(0, 2)] == state[(0, 1)]  # stage 0 replicates: flat in N
+    # 2 fp32 Adam states of 274,698 params: 2,197,584 bytes (plus step counters)
+    assert 2 * 4 * 274_698 <= state[(0, 1)] < 2 * 4 * 274_698 * 1.01
+
+
+def test_per_rank_file_has_every_rank_and_memory_is_max_over_ranks(quick_sweep):
+    output, frame = quick_sweep
+    ranks = pd.read_csv(output / "per_rank.csv")
+    assert len(ranks) == 1 + 2 + 1 + 2
+    for row in frame.itertuples():
+        mine = ranks[ranks["trial"] == row.trial]
+        assert sorted(mine["rank"]) == list(range(row.num_workers))
+        assert row.peak_allocated_gib_max == pytest.approx(mine["peak_allocated_gib"].max())
+        assert row.peak_allocated_gib_min == pytest.approx(mine["peak_allocated_gib"].min())
+        assert row.samples_per_s == pytest.approx(mine["samples_per_s"].sum())
+
+
+def test_results_markdown_provenance_and_plots(quick_sweep):
+    output, _ = quick_sweep
+    markdown = (output / "results.md").read_text()
+    assert "peak resident set size" in markdown and markdown.count("| ok |") == 4
+    provenance = (output / "experiment.yaml").read_text()
+    for key in ("python:", "torch:", "deepspeed: 0.19.8", "ray: 2.60.0", "cpu:", "date:", "command: pytest quick"):
+        assert key in provenance
+    assert (output / "memory.png").stat().st_size > 1000 and (output / "throughput.png").stat().st_size > 1000
+
+
+def test_report_rerenders_without_ray(quick_sweep, cli):
+    output, _ = quick_sweep
+    (output / "results.md").unlink()
+    (output / "memory.png").unlink()
+    done = cli("report", str(output))
+    assert done.returncode == 0, done.stderr
+    assert "stage1_mb64_w2" in done.stdout and (output / "results.md").is_file() and (output / "memory.png").is_file()
+
+
+def test_stages_2_and_3_run_on_cpu(ray_instance, tmp_path):
+    experiment = load_experiment("experiments/quick.yaml", [
+        "steps=4", "warmup_steps=1", "dataset=synthetic", "grid.stage=[2,3]", "grid.num_workers=[2]"])
+    frame = run_sweep(experiment, tmp_path, command="pytest stages 2 3")
+    assert list(frame["status"]) == ["ok", "ok"] and list(frame["stage"]) == [2, 3]
+    assert frame["loss_last"].map(math.isfinite).all()
