@@ -1,0 +1,46 @@
+"""Bare DeepSpeed under torchrun, no Ray: the baseline that bench/bench.py compares ray_zero against.
+
+Same model, data, DeepSpeed config and timing code (ray_zero.worker.train), only the launcher differs:
+
+    torchrun --standalone --nproc_per_node 2 bench/bare_deepspeed.py TRIAL.json OUT.json
+
+TRIAL.json holds what a ray_zero trial gets (experiment, point, precision, use_gpu); rank 0 writes
+every rank's measurements to OUT.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from ray_zero.worker import train
+
+
+def main(trial_path: str, out_path: str) -> None:
+    trial = json.load(open(trial_path))
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if trial["use_gpu"]:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    metrics = train(trial, rank, world_size, device)
+    metrics["process_started_at"] = psutil.Process().create_time()
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, metrics)
+    if rank == 0:
+        with open(out_path, "w") as out:
+            json.dump({"ranks": gathered, "written_at": time.time()}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
