@@ -36,6 +36,9 @@ MARKDOWN_COLUMNS = [
 ]
 SORT_KEYS = ["stage", "micro_batch_size", "num_workers"]
 EXPERIMENT_FILE = "experiment.yaml"
+TRIALS_FILE = "trials.jsonl"
+"""Every finished trial's row (every rank's report included), one JSON line each, appended as trials
+finish: the record the tables are rebuilt from, also after an interrupted sweep is resumed."""
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -49,6 +52,27 @@ def atomic_write(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def append_trial(output_dir: Path, row: dict[str, Any]) -> None:
+    with open(output_dir / TRIALS_FILE, "a") as record:
+        record.write(json.dumps(row, default=str) + "\n")
+        record.flush()
+        os.fsync(record.fileno())
+
+
+def load_trials(output_dir: Path) -> list[dict[str, Any]]:
+    """The latest row of each trial (a half-written last line, from a crash, is skipped)."""
+    rows: dict[str, dict[str, Any]] = {}
+    path = output_dir / TRIALS_FILE
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows[row["trial"]] = row
+    return list(rows.values())
 
 
 def rows_frame(rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
@@ -150,7 +174,3 @@ def console_table(frame: pd.DataFrame) -> str:
                "peak_allocated_gib_max", "predicted_peak_gib", "optimizer_state_bytes_per_rank_max", "wall_s"]
     shown = frame[[c for c in columns if c in frame]].copy()
     return shown.to_string(index=False, float_format=lambda v: f"{v:.4g}")
-
-
-def json_safe(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))

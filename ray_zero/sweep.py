@@ -16,10 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import ray
 import yaml
+from ray import tune
 
 from ray_zero.config import ConfigError, Experiment
-from ray_zero.report import EXPERIMENT_FILE, atomic_write, rows_frame, write_results
+from ray_zero.plots import write_plots
+from ray_zero.report import (COLUMNS, EXPERIMENT_FILE, append_trial, atomic_write, load_trials,
+                             read_provenance, write_results)
+from ray_zero.trial import base_row, finish_row, join_storage, run_trial, trial_name
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +85,6 @@ def plan_sweep(experiment: Experiment, cluster: Cluster) -> Plan:
 
 
 def skipped_row(experiment: Experiment, point: dict[str, int], plan: Plan, cluster: Cluster) -> dict[str, Any]:
-    from ray_zero.trial import base_row, finish_row
-
     row = base_row(experiment, point, plan.precision, plan.use_gpu)
     unit = "GPUs" if plan.use_gpu else "CPU workers"
     row.update(status="skipped",
@@ -102,7 +105,6 @@ def check_output_dir(output_dir: Path) -> None:
 
 def provenance(experiment: Experiment, cluster: Cluster, plan: Plan, command: str) -> dict[str, Any]:
     import deepspeed  # versions are part of every result
-    import ray
     import torch
 
     cpu = platform.processor() or platform.machine()
@@ -134,8 +136,6 @@ def provenance(experiment: Experiment, cluster: Cluster, plan: Plan, command: st
 def _start_ray(address: Optional[str]):
     """Join the cluster at `address` (or RAY_ADDRESS, or the Ray this process already runs), else start
     a private Ray whose dashboard binds to 127.0.0.1. Returns (context, address joined or None)."""
-    import ray
-
     if ray.is_initialized():
         return ray.get_runtime_context(), "the running Ray instance"
     address = address or os.environ.get("RAY_ADDRESS")
@@ -146,31 +146,49 @@ def _start_ray(address: Optional[str]):
 
 
 def _remote_cluster(address: str) -> Cluster:
-    import ray
-
     total = ray.cluster_resources()
     return Cluster(gpus=int(total.get("GPU", 0)), cpus=int(total.get("CPU", 0)), source=f"the cluster at {address}")
 
 
-class _ResultsWriter:
-    """Tune callback (runs in the sweep's process): rewrite the tables whenever a trial finishes."""
+class ResultsWriter(tune.Callback):
+    """Runs in the sweep's process: record each finished trial and rewrite the tables.
 
-    def __init__(self, output_dir: Path, rows: dict[str, dict], prov: dict[str, Any]):
-        self.output_dir, self.rows, self.provenance = output_dir, rows, prov
+    It keeps no rows of its own: Tune pickles it with the experiment, and a resumed sweep gets it
+    back from that pickle, so everything lives in the output folder (trials.jsonl).
+    """
 
-    def record(self, trial) -> None:
-        from ray_zero.trial import trial_name
+    def __init__(self, output_dir: Path):
+        self.output_dir = output_dir
+        self.started_at: dict[str, float] = {}
 
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self.started_at[trial.trial_id] = time.time()
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._record(trial)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._record(trial)
+
+    def _record(self, trial) -> None:
         result = trial.last_result or {}
-        if "status" in result:
-            self.rows[result["trial"]] = {k: v for k, v in result.items() if k in _ROW_KEYS or k == "per_rank"}
-        else:  # the trial's driver itself died: still a row
-            self.rows[trial_name(trial.config["point"])] = _crashed_row(trial)
-        write_results(self.output_dir, list(self.rows.values()), self.provenance)
-        print(trial_summary(self.rows[trial_name(trial.config["point"])]), flush=True)
+        # A trial whose driver itself died has no result: it still gets a row.
+        row = _kept(result) if "status" in result else _crashed_row(trial)
+        # Tune's view of the trial's life, for the start-up breakdown (bench/README.md).
+        row.update(tune_started_at=self.started_at.get(trial.trial_id), tune_finished_at=time.time())
+        append_trial(self.output_dir, row)
+        write_results(self.output_dir, load_trials(self.output_dir), read_provenance(self.output_dir))
+        print(trial_summary(row), flush=True)
 
 
-_ROW_KEYS: set[str] = set()
+# What a trial's Tune result contributes to the tables: the columns, every rank's report, and the
+# time marks of the start-up breakdown.
+_KEPT_KEYS = set(COLUMNS) | {"per_rank", "driver_started_at", "fit_started_at", "fit_finished_at",
+                             "process_started_at", "train_started_at", "finished_at"}
+
+
+def _kept(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items() if k in _KEPT_KEYS}
 
 
 def trial_summary(row: dict[str, Any]) -> str:
@@ -187,8 +205,6 @@ def trial_summary(row: dict[str, Any]) -> str:
 
 
 def _crashed_row(trial) -> dict[str, Any]:
-    from ray_zero.trial import base_row, finish_row
-
     experiment = Experiment.model_validate(trial.config["experiment"])
     row = base_row(experiment, trial.config["point"], trial.config["precision"], trial.config["use_gpu"])
     error = getattr(trial, "error_msg", None) or "the trial's driver process stopped without a result"
@@ -196,30 +212,10 @@ def _crashed_row(trial) -> dict[str, Any]:
     return finish_row(row)
 
 
-def _tune_callback(writer: _ResultsWriter):
-    from ray.tune import Callback
-
-    class WriteResultsAfterEachTrial(Callback):
-        def on_trial_complete(self, iteration, trials, trial, **info):
-            writer.record(trial)
-
-        def on_trial_error(self, iteration, trials, trial, **info):
-            writer.record(trial)
-
-    return WriteResultsAfterEachTrial()
-
-
 def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] = None,
               command: Optional[str] = None, resume: bool = False):
     """Run the whole grid and return the results table (a pandas DataFrame)."""
-    import ray
-    from ray import tune
 
-    from ray_zero.plots import write_plots
-    from ray_zero.report import COLUMNS
-    from ray_zero.trial import join_storage, run_trial, trial_name
-
-    _ROW_KEYS.update(COLUMNS)
     command = command or " ".join(shlex.quote(a) for a in ["python", "-m", "ray_zero", *sys.argv[1:]])
     output_dir = output_dir.resolve()
     check_output_dir(output_dir)
@@ -234,14 +230,16 @@ def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] =
         print(f"ray_zero: Ray dashboard at http://{dashboard}" if dashboard else
               "ray_zero: no Ray dashboard (install ray[default] for it)", flush=True)
         prov = provenance(experiment, cluster, plan, command)
+        if resume:  # the sweep's provenance is the original run's, plus when and how it was resumed
+            prov = {**(read_provenance(output_dir) or {}), "resumed": prov["date"], "resume_command": command}
         atomic_write(output_dir / EXPERIMENT_FILE,
                      yaml.safe_dump({"experiment": experiment.model_dump(mode="json"), "provenance": prov},
                                     sort_keys=False))
         storage = experiment.storage_path or str(output_dir)
-        rows: dict[str, dict] = {}
-        for point in plan.skipped:
-            rows[trial_name(point)] = skipped_row(experiment, point, plan, cluster)
-        writer = _ResultsWriter(output_dir, rows, prov)
+        if not resume:
+            for point in plan.skipped:
+                append_trial(output_dir, skipped_row(experiment, point, plan, cluster))
+            write_results(output_dir, load_trials(output_dir), prov)
         print(f"ray_zero: {len(plan.runnable)} trials ({len(plan.skipped)} skipped), up to "
               f"{plan.max_concurrent_trials} at once on {'GPU' if plan.use_gpu else 'CPU'}, "
               f"{plan.precision}; results in {output_dir}", flush=True)
@@ -254,6 +252,7 @@ def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] =
         if resume:
             tuner = tune.Tuner.restore(tune_dir, trainable=trainable, resume_unfinished=True,
                                        resume_errored=False, restart_errored=True)
+            # Trials that finished before the interruption keep their rows (trials.jsonl); only the rest run.
         else:
             tuner = tune.Tuner(
                 trainable,
@@ -270,14 +269,10 @@ def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] =
                     trial_dirname_creator=lambda t: f"{trial_name(t.config['point'])}_{t.trial_id}",
                 ),
                 run_config=tune.RunConfig(name="tune", storage_path=storage,
-                                          callbacks=[_tune_callback(writer)], verbose=0),
+                                          callbacks=[ResultsWriter(output_dir)], verbose=0),
             )
-        grid = tuner.fit()
-        for result in grid:
-            metrics = result.metrics or {}
-            if "status" in metrics:
-                rows[metrics["trial"]] = {k: v for k, v in metrics.items() if k in _ROW_KEYS or k == "per_rank"}
-        frame = write_results(output_dir, list(rows.values()), prov)
+        tuner.fit()  # every finished trial is already in trials.jsonl (the callback)
+        frame = write_results(output_dir, load_trials(output_dir), prov)
         write_plots(frame, output_dir)
         return frame
     finally:

@@ -168,10 +168,12 @@ def join_storage(storage: str, name: str) -> str:
 
 def run_trial(config: dict[str, Any]) -> None:
     """Tune function trainable: run one grid point as a TorchTrainer and report its row to Tune."""
+    driver_started_at = time.time()
     experiment = Experiment.model_validate(config["experiment"])
     point, precision, use_gpu = config["point"], config["precision"], config["use_gpu"]
     context = tune.get_context()
     row = base_row(experiment, point, precision, use_gpu)
+    row["driver_started_at"] = driver_started_at
     trial = {"experiment": config["experiment"], "point": point, "precision": precision,
              "use_gpu": use_gpu, "trial_name": context.get_trial_name()}
     if experiment.fault is not None:
