@@ -89,12 +89,13 @@ def _sweep(args) -> int:
         experiment = load_experiment(args.experiment, args.overrides)
         output = args.output or Path("runs") / f"{experiment.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
 
-    from ray_zero.sweep import run_sweep  # imports Ray: only after the input has been checked
+    from ray_zero.sweep import SweepIncomplete, run_sweep  # imports Ray: only after the input is checked
 
     try:
         frame = run_sweep(experiment, output, address=args.address, resume=args.resume is not None)
-    except KeyboardInterrupt:
-        print(f"\nray_zero: interrupted; finished trials are in {output}/results.csv. "
+    except (KeyboardInterrupt, SweepIncomplete) as stop:
+        done = f" ({stop})" if isinstance(stop, SweepIncomplete) else ""
+        print(f"ray_zero: interrupted{done}; finished trials are in {output}/results.csv. "
               f"Finish the rest with: python -m ray_zero sweep --resume {output}", file=sys.stderr)
         return 130
     print(console_table(frame))

@@ -31,6 +31,14 @@ log = logging.getLogger(__name__)
 DRIVER_MEMORY_BYTES = 256 * 1024 ** 2
 
 
+class SweepIncomplete(Exception):
+    """The sweep stopped (Ctrl-C, SIGTERM) before every trial finished; its finished rows are saved."""
+
+    def __init__(self, finished: int, total: int):
+        super().__init__(f"{finished} of {total} trials finished")
+        self.finished, self.total = finished, total
+
+
 @dataclass(frozen=True)
 class Cluster:
     """What the sweep can use: GPUs and CPUs in total, where they come from."""
@@ -274,6 +282,9 @@ def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] =
         tuner.fit()  # every finished trial is already in trials.jsonl (the callback)
         frame = write_results(output_dir, load_trials(output_dir), prov)
         write_plots(frame, output_dir)
+        total = len(plan.runnable) + len(plan.skipped)
+        if len(frame) < total:  # Tune stops early on Ctrl-C or SIGTERM, after saving its state
+            raise SweepIncomplete(len(frame), total)
         return frame
     finally:
         if not joined:

@@ -67,7 +67,6 @@ def aggregate_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("steps", "timed_steps", "memory_kind", "data_source"):
         row[key] = first.get(key)
     row["device"] = first.get("device_name")
-    row["attempts"] = max((r.get("attempt", 1) for r in per_rank), default=None)
     # Where the trial's time went, slowest rank first: the start-up breakdown of bench/README.md.
     for key in ("model_build_s", "data_load_s", "initialize_s", "warmup_s", "timed_s"):
         values = _numbers(per_rank, key)
@@ -118,13 +117,16 @@ def finish_row(row: dict[str, Any]) -> dict[str, Any]:
         k: v for k, v in row.items() if k not in COLUMNS}
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith(("Training failed due to worker errors", "Traceback")):
-            return line[:400]
-    return text.splitlines()[0][:400]
+def _reason(error: BaseException) -> str:
+    """The informative part of a (possibly wrapped, multi-line) worker error, on one line."""
+    lines = [line.strip() for line in (str(error).strip() or type(error).__name__).splitlines()]
+    lines = [line for line in lines if line and not line.startswith(
+        ("Training failed due to worker errors", "Traceback", "[Rank"))]
+    reason = lines[0] if lines else type(error).__name__
+    died = next((line for line in lines if "worker process has died" in line or "killed" in line.lower()), None)
+    if died and died != reason:
+        reason = f"{reason} {died}"
+    return reason[:400]
 
 
 def _out_of_memory(error: BaseException) -> dict | None:
@@ -142,24 +144,28 @@ def failure_fields(error: BaseException) -> dict[str, Any]:
     for rank, worker_error in sorted(failures.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
         memory = _out_of_memory(worker_error)
         if memory is not None:
-            row = {"status": "oom", "error": _first_line(worker_error)}
+            row = {"status": "oom", "error": _reason(worker_error)}
             if memory:
                 row.update(peak_allocated_gib_max=memory.get("peak_allocated_gib"),
                            peak_reserved_gib_max=memory.get("peak_reserved_gib"))
             return row
     rank, worker_error = next(iter(failures.items()))
     where = f"rank {rank}: " if rank is not None else ""
-    return {"status": "failed", "error": where + _first_line(worker_error)}
+    return {"status": "failed", "error": where + _reason(worker_error)}
 
 
 class AllRanksCallback(UserCallback):
-    """Runs on the Train controller: puts every rank's report (a list in rank order) on the trial's queue."""
+    """Runs on the Train controller: puts every rank's report (a list in rank order), and each failed
+    attempt of the worker group, on the trial's queue."""
 
     def __init__(self, queue: Queue):
         self.queue = queue
 
     def after_report(self, run_context, metrics, checkpoint):
-        self.queue.put(list(metrics))
+        self.queue.put(("report", list(metrics)))
+
+    def after_exception(self, run_context, worker_exceptions):
+        self.queue.put(("failure", {rank: _reason(error) for rank, error in worker_exceptions.items()}))
 
 
 def join_storage(storage: str, name: str) -> str:
@@ -202,13 +208,19 @@ def run_trial(config: dict[str, Any]) -> None:
         row.update(failure_fields(error))
     row["fit_finished_at"] = time.time()
     row["wall_s"] = row["fit_finished_at"] - row["fit_started_at"]
-    reports = []
+    reports, failed_attempts = [], 0
     while not queue.empty():
-        reports = queue.get_nowait()  # the last report holds each rank's final measurements
+        kind, item = queue.get_nowait()
+        if kind == "report":
+            reports = item  # the last report holds each rank's final measurements
+        else:
+            failed_attempts += 1
     if reports:
         row.update(aggregate_ranks(reports))
         row["per_rank"] = [{"trial": row["trial"], **r} for r in reports]
     elif row["status"] == "ok":
         row.update(status="failed", error="no worker reported metrics")
+    # Ray Train retried the worker group after each failure, up to max_failures.
+    row["attempts"] = failed_attempts + (1 if row["status"] == "ok" else 0)
     queue.shutdown()
     tune.report(finish_row(row))

@@ -252,6 +252,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
 
 def train_loop_per_worker(trial: dict[str, Any]) -> None:
     """Ray Train entry point: run `train` on this worker, publish live gauges, report once."""
+    import ray
     import ray.train
     import ray.train.torch
     from ray.util.metrics import Gauge
@@ -276,7 +277,8 @@ def train_loop_per_worker(trial: dict[str, Any]) -> None:
             gauges[name].set(value, tags=tags)
 
     metrics = train(trial, rank, world_size, device, on_progress=publish)
-    metrics["process_started_at"] = process_started_at
+    metrics.update(process_started_at=process_started_at, pid=os.getpid(),
+                   node_id=ray.get_runtime_context().get_node_id())
     publish(metrics["steps"], {"loss": metrics["loss_last"], "samples_per_s": metrics["samples_per_s"],
                                "peak_allocated_gib": metrics["peak_allocated_gib"]})
     ray.train.report(metrics)

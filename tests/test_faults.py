@@ -1,0 +1,105 @@
+"""Faults become rows: an out-of-memory rank, a killed worker (retried, then failed), an interrupted
+sweep that is resumed. Real Ray, real DeepSpeed, real processes killed with SIGKILL and SIGINT."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import psutil
+
+from ray_zero.config import load_experiment
+from ray_zero.sweep import run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _quick(*overrides: str):
+    return load_experiment(ROOT / "experiments" / "quick.yaml", ["steps=4", "warmup_steps=1", *overrides])
+
+
+def test_out_of_memory_is_a_row_and_the_sweep_goes_on(ray_instance, tmp_path):
+    # The injected error is torch.cuda.OutOfMemoryError, the type the production path catches on GPUs.
+    experiment = _quick("grid.num_workers=[2]", "fault={kind: oom, step: 2, rank: 1, stage: 1}")
+    frame = run_sweep(experiment, tmp_path, command="pytest oom").set_index("stage")
+    assert frame.loc[0, "status"] == "ok"
+    oom = frame.loc[1]
+    assert oom["status"] == "oom" and oom["num_workers"] == 2 and oom["micro_batch_size"] == 64
+    assert "rank 1 out of memory during step 2" in oom["error"]
+    assert oom["peak_allocated_gib_max"] > 0.1  # the memory at the failure
+    saved = pd.read_csv(tmp_path / "results.csv")
+    assert sorted(saved["status"]) == ["ok", "oom"]
+
+
+def test_killed_worker_is_retried_then_recorded_as_failed(ray_instance, tmp_path):
+    # Stage 0's worker kills itself with SIGKILL at step 2 on every attempt; stage 1 is healthy.
+    experiment = _quick("grid.num_workers=[1]", "max_failures=1", "fault={kind: sigkill, step: 2, stage: 0}")
+    frame = run_sweep(experiment, tmp_path, command="pytest sigkill").set_index("stage")
+    failed, healthy = frame.loc[0], frame.loc[1]
+    assert failed["status"] == "failed" and failed["attempts"] == 2  # first try + max_failures retries
+    assert "worker process has died" in failed["error"]
+    assert healthy["status"] == "ok" and healthy["attempts"] == 1
+
+
+def _train_workers() -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
+            found.append(process)
+    return found
+
+
+def test_worker_killed_from_outside_is_retried(ray_instance, tmp_path):
+    experiment = _quick("steps=300", "warmup_steps=2", "grid.stage=[1]", "grid.num_workers=[1]", "max_failures=1")
+    result: dict = {}
+    sweep = threading.Thread(target=lambda: result.update(frame=run_sweep(experiment, tmp_path, command="pytest kill")))
+    sweep.start()
+    victim = None
+    deadline = time.time() + 120
+    while victim is None and time.time() < deadline:
+        workers = _train_workers()
+        victim = workers[0] if workers else None
+        time.sleep(0.5)
+    assert victim is not None, "no Ray Train worker process appeared"
+    time.sleep(4)  # let it get into training
+    victim.send_signal(signal.SIGKILL)
+    sweep.join(timeout=300)
+    row = result["frame"].iloc[0]
+    assert row["status"] == "ok" and row["attempts"] == 2
+    ranks = pd.read_csv(tmp_path / "per_rank.csv")
+    assert victim.pid not in set(ranks["pid"])  # the report came from the retried worker
+
+
+def test_interrupted_sweep_resumes_running_only_unfinished_trials(tmp_path):
+    output = tmp_path / "sweep"
+    # One trial at a time (each worker takes both CPUs), so "after the first trial" is well defined.
+    args = [sys.executable, "-m", "ray_zero", "sweep", "experiments/quick.yaml", "--output", str(output),
+            "--set", "steps=4", "--set", "grid.stage=[0,1,2]", "--set", "grid.num_workers=[1]",
+            "--set", "cpus_per_worker=2"]
+    sweep = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    record = output / "trials.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (record.is_file() and record.read_text().count("\n") >= 1):
+        time.sleep(0.5)
+    sweep.send_signal(signal.SIGINT)  # Ctrl-C
+    out, _ = sweep.communicate(timeout=120)
+    assert sweep.returncode == 130, out
+    assert f"sweep --resume {output}" in out
+    first = [json.loads(line) for line in record.read_text().splitlines()]
+    assert 1 <= len(first) < 3
+
+    resumed = subprocess.run([sys.executable, "-m", "ray_zero", "sweep", "--resume", str(output)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    table = pd.read_csv(output / "results.csv")
+    assert sorted(table["trial"]) == ["stage0_mb64_w1", "stage1_mb64_w1", "stage2_mb64_w1"]
+    assert (table["status"] == "ok").all()
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(lines) == 3  # every trial exactly once: the finished ones were not run again
+    assert lines[0] == first[0]
