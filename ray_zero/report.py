@@ -145,6 +145,25 @@ def write_results(output_dir: Path, rows: list[dict[str, Any]], provenance: dict
     return frame
 
 
+PUBLISHED = ("results.csv", "results.md", "per_rank.csv", EXPERIMENT_FILE, TRIALS_FILE,
+             "memory.png", "throughput.png", "batch.png")
+
+
+def publish(output_dir: Path, storage: str) -> None:
+    """Copy the tables to STORAGE/results (a folder or a URI such as s3://bucket/sweep, via pyarrow),
+    so that a sweep on a cluster leaves them beside its run state, reachable from every node."""
+    from pyarrow import fs
+
+    if "://" not in storage and Path(storage).resolve() == output_dir.resolve():
+        return
+    filesystem, root = fs.FileSystem.from_uri(storage if "://" in storage else str(Path(storage).resolve()))
+    target = f"{root.rstrip('/')}/results"
+    filesystem.create_dir(target, recursive=True)
+    for name in PUBLISHED:
+        if (output_dir / name).is_file():
+            fs.copy_files(str(output_dir / name), f"{target}/{name}", destination_filesystem=filesystem)
+
+
 def read_provenance(output_dir: Path) -> dict[str, Any] | None:
     path = output_dir / EXPERIMENT_FILE
     if not path.is_file():

@@ -22,13 +22,20 @@ from ray import tune
 
 from ray_zero.config import ConfigError, Experiment
 from ray_zero.plots import write_plots
-from ray_zero.report import (COLUMNS, EXPERIMENT_FILE, append_trial, atomic_write, load_trials,
+from ray_zero.report import (COLUMNS, EXPERIMENT_FILE, append_trial, atomic_write, load_trials, publish,
                              read_provenance, write_results)
 from ray_zero.trial import base_row, finish_row, join_storage, run_trial, trial_name
 
 log = logging.getLogger(__name__)
 
 DRIVER_MEMORY_BYTES = 256 * 1024 ** 2
+
+
+TOKEN_FILE = Path.home() / ".ray" / "auth_token"
+
+
+class ClusterUnreachable(ConfigError):
+    """--address (or RAY_ADDRESS) names no Ray cluster this process can join."""
 
 
 class SweepIncomplete(Exception):
@@ -147,10 +154,19 @@ def _start_ray(address: Optional[str]):
     if ray.is_initialized():
         return ray.get_runtime_context(), "the running Ray instance"
     address = address or os.environ.get("RAY_ADDRESS")
-    if address:
+    if not address:
+        context = ray.init(dashboard_host="127.0.0.1", log_to_driver=True, configure_logging=False)
+        return context, None
+    # `ray start --head` turns token authentication on and saves the token in ~/.ray/auth_token; a
+    # client must then say so. Use that token unless the user chose a mode (RAY_AUTH_MODE).
+    if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or TOKEN_FILE.is_file()):
+        os.environ["RAY_AUTH_MODE"] = "token"
+    try:
         return ray.init(address=address, log_to_driver=True), address
-    context = ray.init(dashboard_host="127.0.0.1", log_to_driver=True, configure_logging=False)
-    return context, None
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0][:300]
+        raise ClusterUnreachable(f"--address {address}: cannot join the Ray cluster ({reason}); start one with "
+                                 "`ray start --head`, or leave --address and RAY_ADDRESS unset for a private Ray") from None
 
 
 def _remote_cluster(address: str) -> Cluster:
@@ -165,8 +181,8 @@ class ResultsWriter(tune.Callback):
     back from that pickle, so everything lives in the output folder (trials.jsonl).
     """
 
-    def __init__(self, output_dir: Path):
-        self.output_dir = output_dir
+    def __init__(self, output_dir: Path, storage: str):
+        self.output_dir, self.storage = output_dir, storage
         self.started_at: dict[str, float] = {}
 
     def on_trial_start(self, iteration, trials, trial, **info):
@@ -186,6 +202,7 @@ class ResultsWriter(tune.Callback):
         row.update(tune_started_at=self.started_at.get(trial.trial_id), tune_finished_at=time.time())
         append_trial(self.output_dir, row)
         write_results(self.output_dir, load_trials(self.output_dir), read_provenance(self.output_dir))
+        publish(self.output_dir, self.storage)
         print(trial_summary(row), flush=True)
 
 
@@ -277,11 +294,12 @@ def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] =
                     trial_dirname_creator=lambda t: f"{trial_name(t.config['point'])}_{t.trial_id}",
                 ),
                 run_config=tune.RunConfig(name="tune", storage_path=storage,
-                                          callbacks=[ResultsWriter(output_dir)], verbose=0),
+                                          callbacks=[ResultsWriter(output_dir, storage)], verbose=0),
             )
         tuner.fit()  # every finished trial is already in trials.jsonl (the callback)
         frame = write_results(output_dir, load_trials(output_dir), prov)
         write_plots(frame, output_dir)
+        publish(output_dir, storage)
         total = len(plan.runnable) + len(plan.skipped)
         if len(frame) < total:  # Tune stops early on Ctrl-C or SIGTERM, after saving its state
             raise SweepIncomplete(len(frame), total)

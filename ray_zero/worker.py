@@ -265,7 +265,8 @@ def train_loop_per_worker(trial: dict[str, Any]) -> None:
     tags = {"trial": trial.get("trial_name", ""), "stage": str(point["stage"]),
             "micro_batch_size": str(point["micro_batch_size"]), "num_workers": str(point["num_workers"]),
             "rank": str(rank)}
-    gauges = {name: Gauge(f"ray_zero_{name}", description=text, tag_keys=tuple(tags))
+    # Ray prefixes application metrics with "ray_": Prometheus and the dashboard show ray_zero_loss etc.
+    gauges = {name: Gauge(f"zero_{name}", description=text, tag_keys=tuple(tags))
               for name, text in (("loss", "training loss of the latest step"),
                                  ("samples_per_s", "this rank's samples per second, recent steps"),
                                  ("peak_allocated_gib", "this rank's peak memory so far, GiB"),

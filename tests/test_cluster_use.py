@@ -1,0 +1,142 @@
+"""Where users run it: `ray start --head` + `ray job submit`, live metrics on the node's Prometheus
+endpoint, `--address auto`, and a two-node cluster whose 2-worker trial is SPREAD over both nodes.
+
+Each cluster has its own ports and temp dir and is torn down (its processes killed) also when a test fails.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import pandas as pd
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = str(Path(sys.executable).parent)
+# The job's `python` is the one on the PATH that `ray start` ran with: put this venv first.
+ENV = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
+       "RAY_metrics_report_interval_ms": "1000", "RAY_USAGE_STATS_ENABLED": "0"}
+ENV.pop("RAY_ADDRESS", None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agent_ports() -> list[str]:
+    """Own ports for the node's dashboard agent, so no earlier cluster's agent can stand in the way."""
+    return [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+            f"--runtime-env-agent-port={_free_port()}"]
+
+
+def _ray(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([f"{BIN}/ray", *args], env=ENV, capture_output=True, text=True, timeout=180, **kwargs)
+
+
+@contextmanager
+def local_cluster(extra_nodes: int = 0, cpus_per_node: int = 2):
+    """`ray start --head` (and `ray start --address` for each extra node); killed on exit."""
+    temp = tempfile.mkdtemp(prefix="rz", dir="/tmp")  # short: Ray's socket paths must stay short
+    port, dashboard, metrics = _free_port(), _free_port(), _free_port()
+    try:
+        head = _ray("start", "--head", f"--port={port}", f"--dashboard-port={dashboard}",
+                    "--dashboard-host=127.0.0.1", f"--metrics-export-port={metrics}", f"--num-cpus={cpus_per_node}",
+                    f"--temp-dir={temp}", f"--ray-client-server-port={_free_port()}", *_agent_ports(),
+                    "--resources={\"node_head\": 1}")
+        assert head.returncode == 0, head.stdout + head.stderr
+        for index in range(extra_nodes):
+            node = _ray("start", f"--address=127.0.0.1:{port}", f"--num-cpus={cpus_per_node}",
+                        f"--metrics-export-port={_free_port()}", *_agent_ports(),
+                        f"--resources={{\"node_{index}\": 1}}")
+            assert node.returncode == 0, node.stdout + node.stderr
+        yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}",
+               "metrics": f"http://127.0.0.1:{metrics}/metrics"}
+    finally:
+        # Not `ray stop`: that would stop every Ray on the machine, the test session's own too. This
+        # cluster's processes name its temp dir or its GCS port; their children go with them.
+        marks = (temp, f":{port}")
+        mine = {p for p in psutil.process_iter(["cmdline"])
+                if any(m in a for a in p.info["cmdline"] or [] for m in marks)}
+        for process in list(mine):
+            try:
+                mine.update(process.children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+        for process in mine:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(list(mine), timeout=30)
+
+
+def _zero_metrics(url: str) -> list[str]:
+    try:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.startswith("ray_zero_")]
+
+
+def test_job_submission_with_live_dashboard_metrics(tmp_path):
+    output = tmp_path / "job"
+    with local_cluster() as cluster:
+        excludes = json.dumps({"excludes": [".whl", "runs", "data", ".git", "results", "bench/results"]})
+        ready_by = time.time() + 60
+        while True:  # right after `ray start` the job agent may not be up yet: it says "try again"
+            submit = _ray("job", "submit", f"--address={cluster['dashboard']}", "--no-wait", "--working-dir", ".",
+                          f"--runtime-env-json={excludes}", "--", "python", "-m", "ray_zero", "sweep",
+                          "experiments/quick.yaml", "--set", "steps=300", "--set", "grid.num_workers=[2]",
+                          "--output", str(output), cwd=ROOT)
+            if "No available agent" not in submit.stderr or time.time() > ready_by:
+                break
+            time.sleep(1)
+        assert submit.returncode == 0, submit.stdout + submit.stderr
+        job_id = re.search(r"raysubmit_\w+", submit.stdout + submit.stderr).group(0)
+        seen: list[str] = []
+        status = ""
+        deadline = time.time() + 400
+        while time.time() < deadline:
+            seen += [line for line in _zero_metrics(cluster["metrics"]) if "samples_per_s" in line]
+            status = _ray("job", "status", f"--address={cluster['dashboard']}", job_id).stdout.lower()
+            if any(s in status for s in ("succeeded", "failed", "stopped")):
+                break
+            time.sleep(1)
+        logs = _ray("job", "logs", f"--address={cluster['dashboard']}", job_id).stdout
+        assert "succeeded" in status, logs[-3000:]
+    assert "ray_zero: Ray dashboard at http://127.0.0.1" in logs
+    table = pd.read_csv(output / "results.csv")
+    assert len(table) == 2 and (table["status"] == "ok").all() and (table["num_workers"] == 2).all()
+    # Live gauges, tagged per trial and rank, reached the node's Prometheus export during the run.
+    assert any('rank="1"' in line and 'stage="1"' in line and 'trial="stage1_mb64_w2"' in line for line in seen), seen[:3]
+
+
+def test_two_node_cluster_spreads_a_trial_and_address_auto_joins(tmp_path):
+    output = tmp_path / "spread"
+    storage = tmp_path / "shared"
+    with local_cluster(extra_nodes=1, cpus_per_node=1):
+        # Each node has 1 CPU: a 2-worker trial can only run with one worker per node.
+        done = subprocess.run(
+            [sys.executable, "-m", "ray_zero", "sweep", "experiments/quick.yaml", "--address", "auto",
+             "--set", "steps=4", "--set", "grid.stage=[1]", "--set", "grid.num_workers=[2,3]",
+             "--set", "placement_strategy=SPREAD", "--set", f"storage_path=file://{storage}",
+             "--output", str(output)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = pd.read_csv(output / "results.csv").set_index("num_workers")
+    assert table.loc[2, "status"] == "ok" and table.loc[3, "status"] == "skipped"
+    assert "has room for 2" in table.loc[3, "error"]
+    ranks = pd.read_csv(output / "per_rank.csv")
+    assert len(ranks) == 2 and ranks["node_id"].nunique() == 2  # one worker on each node, over gloo
+    assert (storage / "tune").is_dir() and (storage / "train").is_dir()  # run state went to the storage path
+    assert (storage / "results" / "results.csv").is_file()  # and the tables too
