@@ -7,7 +7,7 @@ R=/tmp/bench; mkdir -p $R
 case "$1" in
   large) timeout 560 python3 bench/bench.py experiments/memory_scaling.yaml --set 'grid.num_workers=[1,2]' \
            --set steps=60 --set warmup_steps=10 --output $R/large-h200x2 > $R/large.log 2>&1 ;;
-  seed)  timeout 560 python3 bench/bench.py experiments/quick.yaml --set steps=300 --set warmup_steps=20 \
+  seed)  timeout 400 python3 bench/bench.py experiments/quick.yaml --set steps=300 --set warmup_steps=20 --set 'grid.num_workers=[1]' \
            --packing --output $R/seed-h200x2 > $R/seed.log 2>&1 ;;
 esac
 echo "rc=$?"; grep -E "^ray_zero|^bench|^\| |^- |Error" $R/*.log | tail -60
