@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from ray_zero.config import load_experiment  # noqa: E402
 from ray_zero.report import atomic_write, load_trials, markdown_table, read_provenance  # noqa: E402
 from ray_zero.sweep import local_cluster, plan_sweep, run_sweep  # noqa: E402
-from ray_zero.trial import aggregate_ranks, trial_name  # noqa: E402
+from ray_zero.rows import aggregate_ranks, trial_name  # noqa: E402
 
 # Phases of a trial's life, from time marks (wall clock, seconds since the epoch) taken by the
 # sweep (Tune callback), the trial driver, every rank, and for bare runs the launching process.
@@ -113,8 +113,9 @@ def compare(experiment, output: Path) -> pd.DataFrame:
     for point in plan.runnable:
         print(f"bench: bare DeepSpeed {trial_name(point)}", flush=True)
         bare[trial_name(point)] = run_bare(experiment, point, plan.precision, plan.use_gpu, workdir)
-    print("bench: ray_zero sweep of the same grid", flush=True)
-    run_sweep(experiment, output / "ray_zero", command="bench/bench.py")
+    print("bench: ray_zero sweep of the same grid, one trial at a time like the bare runs", flush=True)
+    alone = experiment.model_copy(update={"max_concurrent_trials": 1})
+    run_sweep(alone, output / "ray_zero", command="bench/bench.py")
     ray = ray_rows(output / "ray_zero")
     records = []
     for name, b in bare.items():

@@ -11,6 +11,7 @@ import difflib
 import itertools
 from pathlib import Path
 from typing import Any, Literal, Optional, Union, get_args, get_origin
+from urllib.parse import parse_qsl, urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -18,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ray_zero.model import PRESETS
 
 Stage = Literal[0, 1, 2, 3]
+SECRET_QUERY_KEYS = {"access_key", "secret_key", "session_token", "password", "token", "sas_token",
+                     "account_key"}
 PositiveInt = Field(gt=0)
 
 
@@ -129,6 +132,9 @@ class Experiment(_Strict):
     """Logical CPUs each worker reserves."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """How a trial's workers are placed on nodes (SPREAD puts them on different nodes)."""
+    max_concurrent_trials: Optional[int] = Field(default=None, gt=0)
+    """At most this many trials at once (default: as many as the cluster's GPUs or CPUs allow). 1 keeps
+    trials from sharing the machine, e.g. to time them without neighbours."""
     max_failures: int = Field(default=0, ge=0)
     """Retries of a trial whose worker dies, before it is recorded as failed."""
     storage_path: Optional[str] = None
@@ -138,6 +144,17 @@ class Experiment(_Strict):
     """Update the dashboard gauges every this many steps."""
     fault: Optional[Fault] = None
     """Deliberate failure for testing (see Fault)."""
+
+    @field_validator("storage_path")
+    @classmethod
+    def _no_credentials(cls, value: Optional[str]) -> Optional[str]:
+        # The storage path is saved with the results and in Tune's state: it must hold no secret.
+        parsed = urlsplit(value or "")
+        secret_query = any(k.lower() in SECRET_QUERY_KEYS for k, _ in parse_qsl(parsed.query))
+        if parsed.password or secret_query:
+            raise ValueError("must not contain credentials (they would be saved with the results); let "
+                             "pyarrow find them in the environment, e.g. AWS_ACCESS_KEY_ID, or an instance role")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> "Experiment":

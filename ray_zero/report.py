@@ -24,7 +24,7 @@ COLUMNS = [
     "nvml_used_gib_max", "optimizer_state_bytes_per_rank_min", "parameter_bytes_per_rank_max",
     "gradient_bytes_per_rank_max", "master_param_bytes_per_rank_max", "other_optimizer_bytes_per_rank_max",
     "predicted_model_state_gib", "measured_model_state_gib", "predicted_peak_gib", "measured_over_predicted",
-    "paper_model_state_gib", "tflops_per_worker", "mfu", "global_batch", "timed_steps", "loss_by_epoch",
+    "paper_model_state_gib", "tflops_per_worker", "mfu", "global_batch", "reduce_bucket_size", "timed_steps", "loss_by_epoch",
     "memory_kind", "device", "attempts", "timed_s", "model_build_s", "data_load_s", "initialize_s", "warmup_s",
     "data_source", "trial", "error",
 ]
@@ -91,6 +91,8 @@ def rows_frame(rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
 def _cell(value: Any) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 10_000:
+        value = int(value)  # byte counts in a column that also holds blanks
     if isinstance(value, float):
         if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-3):
             return f"{value:.3g}"
@@ -180,11 +182,27 @@ def load_results(output_dir: Path) -> pd.DataFrame:
 
 
 def rerender(output_dir: Path) -> pd.DataFrame:
-    """`python -m ray_zero report DIR`: results.md and plots again from results.csv."""
+    """`python -m ray_zero report DIR`: the tables and plots again, without Ray.
+
+    From trials.jsonl (the measurements as recorded) when it is there, recomputing the derived columns
+    (prediction, ratios) with this version of ray_zero; else from results.csv as it stands.
+    """
     from ray_zero.plots import write_plots
 
-    frame = load_results(output_dir)
-    atomic_write(output_dir / "results.md", render_markdown(frame, read_provenance(output_dir)))
+    provenance = read_provenance(output_dir)
+    rows = load_trials(output_dir)
+    if rows:
+        from ray_zero.rows import aggregate_ranks, finish_row
+
+        experiment = yaml.safe_load((output_dir / EXPERIMENT_FILE).read_text())["experiment"]
+        for row in rows:
+            if row.get("per_rank"):
+                row.update(aggregate_ranks(row["per_rank"]))
+            row.setdefault("reduce_bucket_size", experiment["reduce_bucket_size"])
+        frame = write_results(output_dir, [finish_row(row) for row in rows], provenance)
+    else:
+        frame = load_results(output_dir)
+        atomic_write(output_dir / "results.md", render_markdown(frame, provenance))
     write_plots(frame, output_dir)
     return frame
 

@@ -19,12 +19,14 @@ from typing import Any, Optional
 import ray
 import yaml
 from ray import tune
+from ray.tune.result import AUTO_RESULT_KEYS
 
 from ray_zero.config import ConfigError, Experiment
 from ray_zero.plots import write_plots
-from ray_zero.report import (COLUMNS, EXPERIMENT_FILE, append_trial, atomic_write, load_trials, publish,
+from ray_zero.report import (EXPERIMENT_FILE, append_trial, atomic_write, load_trials, publish,
                              read_provenance, write_results)
-from ray_zero.trial import base_row, finish_row, join_storage, run_trial, trial_name
+from ray_zero.rows import base_row, finish_row, trial_name
+from ray_zero.trial import join_storage, run_trial
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,10 @@ def plan_sweep(experiment: Experiment, cluster: Cluster) -> Plan:
             f"{min(p['num_workers'] for p in points)} workers, {cluster.source} has room for {capacity} "
             f"({cluster.gpus if use_gpu else cluster.cpus} {unit}); allowed: 1 to {capacity}")
     largest = max(p["num_workers"] for p in runnable)
-    return Plan(use_gpu, precision, runnable, skipped, max(1, capacity // largest), capacity)
+    concurrent = max(1, capacity // largest)
+    if experiment.max_concurrent_trials is not None:
+        concurrent = min(concurrent, experiment.max_concurrent_trials)
+    return Plan(use_gpu, precision, runnable, skipped, concurrent, capacity)
 
 
 def skipped_row(experiment: Experiment, point: dict[str, int], plan: Plan, cluster: Cluster) -> dict[str, Any]:
@@ -206,14 +211,12 @@ class ResultsWriter(tune.Callback):
         print(trial_summary(row), flush=True)
 
 
-# What a trial's Tune result contributes to the tables: the columns, every rank's report, and the
-# time marks of the start-up breakdown.
-_KEPT_KEYS = set(COLUMNS) | {"per_rank", "driver_started_at", "fit_started_at", "fit_finished_at",
-                             "process_started_at", "train_started_at", "finished_at"}
+# A trial's Tune result is its row (every rank's report included) plus Tune's own bookkeeping.
+_TUNE_KEYS = set(AUTO_RESULT_KEYS) | {"done", "trial_id", "experiment_tag", "should_checkpoint"}
 
 
 def _kept(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in result.items() if k in _KEPT_KEYS}
+    return {k: v for k, v in result.items() if k not in _TUNE_KEYS}
 
 
 def trial_summary(row: dict[str, Any]) -> str:

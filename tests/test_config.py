@@ -38,6 +38,11 @@ def test_overrides_take_dotted_keys_and_yaml_values():
     assert len(e.grid.points()) == 2
 
 
+def test_storage_path_accepts_folders_and_uris_without_secrets():
+    for path in ("/mnt/nfs/sweeps", "s3://bucket/sweeps?region=us-east-1", "file:///tmp/x"):
+        assert validate_experiment({"steps": 4, "storage_path": path}).storage_path == path
+
+
 def test_grid_points_are_the_cartesian_product():
     e = validate_experiment({"steps": 4, "grid": {"stage": [1, 0], "micro_batch_size": [8, 4], "num_workers": [2]}})
     assert e.grid.points() == [
@@ -57,6 +62,9 @@ def test_grid_points_are_the_cartesian_product():
     ({"steps": 5, "model": "huge"}, "model: should be 'seed', 'base' or 'large', got 'huge'"),
     ({"steps": 5, "optimizer": {"lrr": 0.1}}, "optimizer.lrr: unknown key; did you mean 'lr'?"),
     ({"steps": True}, "steps: should be a valid integer, got True"),
+    ({"steps": 5, "storage_path": "s3://bucket/x?access_key=AKIA&secret_key=abc"}, "storage_path: must not contain credentials"),
+    ({"steps": 5, "storage_path": "s3://user:pa55@bucket/x"}, "storage_path: must not contain credentials"),
+    ({"steps": 5, "max_concurrent_trials": 0}, "max_concurrent_trials: should be greater than 0, got 0"),
 ])
 def test_bad_values_are_one_line_naming_key_and_allowed(raw, expected):
     with pytest.raises(ConfigError) as caught:
@@ -74,3 +82,19 @@ def test_malformed_set_is_rejected(item):
 def test_set_into_a_value_is_rejected():
     with pytest.raises(ConfigError, match="steps is a value, not a section"):
         apply_override({"steps": 1}, "steps.x=1")
+
+
+def test_plan_packs_trials_onto_the_cluster_and_skips_what_cannot_fit():
+    from ray_zero.sweep import Cluster, plan_sweep
+
+    experiment = validate_experiment({"steps": 4, "grid": {"stage": [0, 1], "num_workers": [1, 2, 4]}})
+    plan = plan_sweep(experiment, Cluster(gpus=2, cpus=32, source="a 2-GPU machine"))
+    assert plan.use_gpu and plan.precision == "fp16" and plan.capacity == 2
+    assert [p["num_workers"] for p in plan.skipped] == [4, 4]
+    assert plan.max_concurrent_trials == 1  # the largest runnable trial takes both GPUs
+    ones = validate_experiment({"steps": 4, "grid": {"stage": [0, 1], "num_workers": [1]}})
+    assert plan_sweep(ones, Cluster(gpus=2, cpus=32, source="x")).max_concurrent_trials == 2
+    limited = ones.model_copy(update={"max_concurrent_trials": 1})
+    assert plan_sweep(limited, Cluster(gpus=2, cpus=32, source="x")).max_concurrent_trials == 1
+    cpu = plan_sweep(ones, Cluster(gpus=0, cpus=2, source="a laptop"))
+    assert not cpu.use_gpu and cpu.precision == "fp32" and cpu.max_concurrent_trials == 2
