@@ -34,27 +34,26 @@ from ray_zero.rows import aggregate_ranks, trial_name  # noqa: E402
 
 # Phases of a trial's life, from time marks (wall clock, seconds since the epoch) taken by the
 # sweep (Tune callback), the trial driver, every rank, and for bare runs the launching process.
-RAY_PHASES = [
-    ("tune: schedule trial, start driver", "tune_started_at", "driver_started_at"),
-    ("driver: queue actor, TorchTrainer", "driver_started_at", "fit_started_at"),
-    ("train: controller, placement group, worker actors", "fit_started_at", "process_started_at"),
+# Each rank's own phases, the same under both launchers.
+RANK_PHASES = [
     ("worker: imports, process group", "process_started_at", "train_started_at"),
     ("model build", "train_started_at", "model_built_at"),
     ("data load", "model_built_at", "data_loaded_at"),
     ("deepspeed.initialize", "data_loaded_at", "initialized_at"),
     ("warm-up steps", "initialized_at", "warmed_up_at"),
     ("timed steps", "warmed_up_at", "finished_at"),
+]
+RAY_PHASES = [
+    ("tune: schedule trial, start driver", "tune_started_at", "driver_started_at"),
+    ("driver: queue actor, TorchTrainer", "driver_started_at", "fit_started_at"),
+    ("train: controller, placement group, worker actors", "fit_started_at", "process_started_at"),
+    *RANK_PHASES,
     ("train: report, shut workers down", "finished_at", "fit_finished_at"),
     ("tune: result to the sweep", "fit_finished_at", "tune_finished_at"),
 ]
 BARE_PHASES = [
     ("torchrun: launch processes", "launched_at", "process_started_at"),
-    ("worker: imports, process group", "process_started_at", "train_started_at"),
-    ("model build", "train_started_at", "model_built_at"),
-    ("data load", "model_built_at", "data_loaded_at"),
-    ("deepspeed.initialize", "data_loaded_at", "initialized_at"),
-    ("warm-up steps", "initialized_at", "warmed_up_at"),
-    ("timed steps", "warmed_up_at", "finished_at"),
+    *RANK_PHASES,
     ("gather results, exit", "finished_at", "exited_at"),
 ]
 RANK_MARKS = ("train_started_at", "model_built_at", "data_loaded_at", "initialized_at", "warmed_up_at",

@@ -260,33 +260,27 @@ def _where(loc: tuple) -> str:
 def describe_validation_error(error: ValidationError) -> str:
     """One line for the first problem: the key, what is wrong, what is allowed."""
     first = error.errors(include_url=False)[0]
-    loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-    # Drop pydantic's union branch names such as 'int' or 'Fault' from the path.
-    loc = tuple(p for p in loc if not (isinstance(p, str) and p[:1].isupper()) and p not in ("int", "float"))
-    where = _where(loc)
-    kind = first["type"]
+    # Drop pydantic's validator and union-branch names ('function-after', 'int', 'Fault') from the path.
+    loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and (
+        p.startswith("function-") or p[:1].isupper() or p in ("int", "float"))))
+    where, kind = _where(loc), first["type"]
     if kind == "extra_forbidden":
         model = _model_at(loc)
         allowed = list(model.model_fields) if model else []
         guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
         hint = f"; did you mean '{guess[0]}'?" if guess else ""
         return f"{where}: unknown key{hint} (allowed here: {', '.join(allowed)})"
-    message = first["msg"]
-    if message.startswith("Value error, "):
-        message = message[len("Value error, "):]
-    elif message.startswith("Input should"):
-        message = "should" + message[len("Input should"):]
     if kind == "missing":
         return f"{where}: required key is missing"
-    if first.get("input") is not None and kind != "value_error" or loc:
-        shown = first.get("input")
-        if isinstance(shown, (dict, list)) and len(repr(shown)) > 60:
-            shown = type(shown).__name__
-        if loc and kind != "value_error":
-            return f"{where}: {message}, got {shown!r}"
-        if loc:
-            return f"{where}: {message}"
-    return message
+    message = first["msg"].removeprefix("Value error, ")
+    if message.startswith("Input should"):
+        message = "should" + message[len("Input should"):]
+    if kind == "value_error":  # our own validators' messages already say what is allowed
+        return f"{where}: {message}" if loc else message
+    shown = first.get("input")
+    if isinstance(shown, (dict, list)) and len(repr(shown)) > 60:
+        shown = type(shown).__name__
+    return f"{where}: {message}, got {shown!r}"
 
 
 def field_help(model: type[BaseModel] = Experiment, prefix: str = "") -> list[tuple[str, str, Any]]:

@@ -155,6 +155,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
     timeline["after_initialize"] = probe.current()["allocated_gib"]
 
     states: dict[str, int] = {}
+    gradient_bytes_after_backward = 0
     losses_by_epoch: list[float] = []
     epoch_loss_sum = torch.zeros((), device=device)
     loss_first = loss_last = float("nan")
@@ -182,14 +183,16 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
             if step == 0 and micro_step == 0:
                 synchronize(device)
                 timeline["after_first_backward"] = probe.current()["allocated_gib"]
-                states["gradient_bytes_after_backward"] = model_state_bytes(engine.module, optimizer)["gradient_bytes"]
+                gradient_bytes_after_backward = model_state_bytes(engine.module, optimizer)["gradient_bytes"]
             engine.step()
             step_loss += loss.detach() / accum
         epoch_loss_sum += step_loss
         if step == 0:
             synchronize(device)
             timeline["after_first_step"] = probe.current()["allocated_gib"]
-            states.update(model_state_bytes(engine.module, optimizer))
+            states = model_state_bytes(engine.module, optimizer)
+            # Some optimizers free gradients in their step, others keep them: the larger count holds.
+            states["gradient_bytes"] = max(states["gradient_bytes"], gradient_bytes_after_backward)
             loss_first = step_loss.item()
         if (step + 1) % steps_per_epoch == 0 and experiment.epochs is not None:
             losses_by_epoch.append(epoch_loss_sum.item() / steps_per_epoch)
@@ -246,7 +249,6 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
     result.update({f"memory_{k}_gib": v for k, v in timeline.items()})
     result.update(marks)
     result.update(states)
-    result["gradient_bytes"] = max(states.get("gradient_bytes", 0), states.pop("gradient_bytes_after_backward", 0))
     return result
 
 
