@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import sys
 from pathlib import Path
 
@@ -70,6 +71,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _use_cluster_token(address: str | None) -> None:
+    """`ray start --head` turns token authentication on and keeps the token in ~/.ray/auth_token; a
+    client joining it must say so, before Ray is imported (Ray reads RAY_AUTH_MODE once). Unless the
+    user chose a mode, use the token when there is one."""
+    joining = address or os.environ.get("RAY_ADDRESS")
+    has_token = os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").is_file()
+    if joining and has_token and "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def _sweep(args) -> int:
     from ray_zero.report import EXPERIMENT_FILE, console_table
 
@@ -89,6 +100,7 @@ def _sweep(args) -> int:
         experiment = load_experiment(args.experiment, args.overrides)
         output = args.output or Path("runs") / f"{experiment.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
 
+    _use_cluster_token(args.address)
     from ray_zero.sweep import SweepIncomplete, run_sweep  # imports Ray: only after the input is checked
 
     try:

@@ -33,9 +33,6 @@ log = logging.getLogger(__name__)
 DRIVER_MEMORY_BYTES = 256 * 1024 ** 2
 
 
-TOKEN_FILE = Path.home() / ".ray" / "auth_token"
-
-
 class ClusterUnreachable(ConfigError):
     """--address (or RAY_ADDRESS) names no Ray cluster this process can join."""
 
@@ -162,10 +159,6 @@ def _start_ray(address: Optional[str]):
     if not address:
         context = ray.init(dashboard_host="127.0.0.1", log_to_driver=True, configure_logging=False)
         return context, None
-    # `ray start --head` turns token authentication on and saves the token in ~/.ray/auth_token; a
-    # client must then say so. Use that token unless the user chose a mode (RAY_AUTH_MODE).
-    if "RAY_AUTH_MODE" not in os.environ and (os.environ.get("RAY_AUTH_TOKEN") or TOKEN_FILE.is_file()):
-        os.environ["RAY_AUTH_MODE"] = "token"
     try:
         return ray.init(address=address, log_to_driver=True), address
     except (ConnectionError, RuntimeError, ValueError) as error:
