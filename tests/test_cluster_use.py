@@ -28,16 +28,22 @@ ENV = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "to
 ENV.pop("RAY_ADDRESS", None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(count: int) -> list[int]:
+    """Distinct free ports: all sockets stay open until every port is known (else the OS may repeat one)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
-def _agent_ports() -> list[str]:
+def _agent_ports(ports) -> list[str]:
     """Own ports for the node's dashboard agent, so no earlier cluster's agent can stand in the way."""
-    return [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-            f"--runtime-env-agent-port={_free_port()}"]
+    return [f"--dashboard-agent-listen-port={next(ports)}", f"--dashboard-agent-grpc-port={next(ports)}",
+            f"--runtime-env-agent-port={next(ports)}"]
 
 
 def _ray(*args: str, **kwargs) -> subprocess.CompletedProcess:
@@ -48,16 +54,17 @@ def _ray(*args: str, **kwargs) -> subprocess.CompletedProcess:
 def local_cluster(extra_nodes: int = 0, cpus_per_node: int = 2):
     """`ray start --head` (and `ray start --address` for each extra node); killed on exit."""
     temp = tempfile.mkdtemp(prefix="rz", dir="/tmp")  # short: Ray's socket paths must stay short
-    port, dashboard, metrics = _free_port(), _free_port(), _free_port()
+    ports = iter(_free_ports(8 + 4 * extra_nodes))
+    port, dashboard, metrics = next(ports), next(ports), next(ports)
     try:
         head = _ray("start", "--head", f"--port={port}", f"--dashboard-port={dashboard}",
                     "--dashboard-host=127.0.0.1", f"--metrics-export-port={metrics}", f"--num-cpus={cpus_per_node}",
-                    f"--temp-dir={temp}", f"--ray-client-server-port={_free_port()}", *_agent_ports(),
+                    f"--temp-dir={temp}", f"--ray-client-server-port={next(ports)}", *_agent_ports(ports),
                     "--resources={\"node_head\": 1}")
         assert head.returncode == 0, head.stdout + head.stderr
         for index in range(extra_nodes):
             node = _ray("start", f"--address=127.0.0.1:{port}", f"--num-cpus={cpus_per_node}",
-                        f"--metrics-export-port={_free_port()}", *_agent_ports(),
+                        f"--metrics-export-port={next(ports)}", *_agent_ports(ports),
                         f"--resources={{\"node_{index}\": 1}}")
             assert node.returncode == 0, node.stdout + node.stderr
         yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}",
