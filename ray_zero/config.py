@@ -296,7 +296,3 @@ def field_help(model: type[BaseModel] = Experiment, prefix: str = "") -> list[tu
         if nested is not None:
             rows.extend(field_help(nested, key + "."))
     return rows
-
-
-def experiment_to_yaml(experiment: Experiment) -> str:
-    return yaml.safe_dump(experiment.model_dump(mode="json"), sort_keys=False)

@@ -13,7 +13,7 @@ the model's shapes. Two formulas, always labelled:
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ray_zero.model import PRESETS, ModelPreset
 

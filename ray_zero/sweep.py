@@ -6,7 +6,6 @@ cluster has become `skipped` rows. Results are rewritten after every finished tr
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import os
 import platform
 import shlex
@@ -27,8 +26,6 @@ from ray_zero.report import (EXPERIMENT_FILE, append_trial, atomic_write, load_t
                              read_provenance, write_results)
 from ray_zero.rows import base_row, finish_row, trial_name
 from ray_zero.trial import join_storage, run_trial
-
-log = logging.getLogger(__name__)
 
 DRIVER_MEMORY_BYTES = 256 * 1024 ** 2
 

@@ -45,7 +45,7 @@ def failure_fields(error: BaseException) -> dict[str, Any]:
     """status, error and (for out-of-memory) the memory at the failure, from a failed fit()."""
     failures = getattr(error, "worker_failures", None) if isinstance(error, WorkerGroupError) else None
     failures = failures or {None: error}
-    for rank, worker_error in sorted(failures.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
+    for worker_error in failures.values():  # any rank out of memory makes the trial an oom row
         memory = _out_of_memory(worker_error)
         if memory is not None:
             row = {"status": "oom", "error": _reason(worker_error)}

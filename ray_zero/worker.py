@@ -7,7 +7,6 @@ so that importing the package stays cheap.
 """
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import time
@@ -23,8 +22,6 @@ from ray_zero.data import mnist_shard, synthetic_shard
 from ray_zero.ds_config import build_ds_config
 from ray_zero.metrics import MemoryProbe, StepTimer, model_state_bytes, peak_tflops, synchronize
 from ray_zero.model import PRESETS, build_model
-
-log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[int, dict[str, float]], None]
 

@@ -2,7 +2,6 @@
 and Ray never started (no dashboard line)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 

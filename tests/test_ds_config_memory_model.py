@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from ray_zero.ds_config import build_ds_config
-from ray_zero.memory_model import GIB, deepspeed, paper, predict_row
+from ray_zero.memory_model import deepspeed, paper, predict_row
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

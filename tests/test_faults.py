@@ -3,7 +3,6 @@ sweep that is resumed. Real Ray, real DeepSpeed, real processes killed with SIGK
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
