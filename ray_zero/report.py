@@ -152,6 +152,11 @@ PUBLISHED = ("results.csv", "results.md", "per_rank.csv", EXPERIMENT_FILE, TRIAL
              "memory.png", "throughput.png", "batch.png")
 
 
+def join_storage(storage: str, name: str) -> str:
+    """STORAGE/name, for a folder or a URI such as s3://bucket/path."""
+    return f"{storage.rstrip('/')}/{name}" if "://" in storage else str(Path(storage) / name)
+
+
 def publish(output_dir: Path, storage: str) -> None:
     """Copy the tables to STORAGE/results (a folder or a URI such as s3://bucket/sweep, via pyarrow),
     so that a sweep on a cluster leaves them beside its run state, reachable from every node."""
@@ -159,8 +164,7 @@ def publish(output_dir: Path, storage: str) -> None:
 
     if "://" not in storage and Path(storage).resolve() == output_dir.resolve():
         return
-    filesystem, root = fs.FileSystem.from_uri(storage if "://" in storage else str(Path(storage).resolve()))
-    target = f"{root.rstrip('/')}/results"
+    filesystem, target = fs.FileSystem.from_uri(join_storage(storage, "results"))
     filesystem.create_dir(target, recursive=True)
     for name in PUBLISHED:
         if (output_dir / name).is_file():

@@ -22,10 +22,10 @@ from ray.tune.result import AUTO_RESULT_KEYS
 
 from ray_zero.config import ConfigError, Experiment
 from ray_zero.plots import write_plots
-from ray_zero.report import (EXPERIMENT_FILE, append_trial, atomic_write, load_trials, publish,
+from ray_zero.report import (EXPERIMENT_FILE, append_trial, atomic_write, join_storage, load_trials, publish,
                              read_provenance, write_results)
 from ray_zero.rows import base_row, finish_row, trial_name
-from ray_zero.trial import join_storage, run_trial
+from ray_zero.trial import run_trial
 
 DRIVER_MEMORY_BYTES = 256 * 1024 ** 2
 
@@ -255,6 +255,8 @@ def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] =
                      yaml.safe_dump({"experiment": experiment.model_dump(mode="json"), "provenance": prov},
                                     sort_keys=False))
         storage = experiment.storage_path or str(output_dir)
+        if "://" not in storage:  # Tune, Train and pyarrow want an absolute folder
+            storage = str(Path(storage).resolve())
         if not resume:
             for point in plan.skipped:
                 append_trial(output_dir, skipped_row(experiment, point, plan, cluster))

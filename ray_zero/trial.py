@@ -18,6 +18,7 @@ from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 from ray.util.queue import Queue
 
 from ray_zero.config import Experiment
+from ray_zero.report import join_storage
 from ray_zero.rows import aggregate_ranks, base_row, finish_row
 from ray_zero.worker import TrialOutOfMemory, train_loop_per_worker
 
@@ -70,10 +71,6 @@ class AllRanksCallback(UserCallback):
 
     def after_exception(self, run_context, worker_exceptions):
         self.queue.put(("failure", {rank: _reason(error) for rank, error in worker_exceptions.items()}))
-
-
-def join_storage(storage: str, name: str) -> str:
-    return f"{storage.rstrip('/')}/{name}" if "://" in storage else str(Path(storage) / name)
 
 
 def run_trial(config: dict[str, Any]) -> None:
