@@ -6,6 +6,11 @@ Same model, data, DeepSpeed config and timing code (ray_zero.worker.train), only
 
 TRIAL.json holds what a ray_zero trial gets (experiment, point, precision, use_gpu); rank 0 writes
 every rank's measurements to OUT.json.
+
+Two switches make the bare run set up like a Ray Train worker, to find what a difference between the
+launchers comes from: BARE_LAZY_PROCESS_GROUP=1 creates the NCCL process group without `device_id`
+(as Ray Train's TorchConfig does: communicators are created at the first collective), and
+BARE_TRAIN_THREAD=1 trains in a second thread (Ray Train runs the training function in one).
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import torch
@@ -22,18 +28,26 @@ from ray_zero.worker import train
 
 
 def main(trial_path: str, out_path: str) -> None:
+    imported_at = time.time()  # torch and ray_zero.worker imported
     trial = json.load(open(trial_path))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     if trial["use_gpu"]:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        lazy = os.environ.get("BARE_LAZY_PROCESS_GROUP") == "1"
+        dist.init_process_group("nccl", device_id=None if lazy else device)
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
-    metrics = train(trial, rank, world_size, device)
-    metrics["process_started_at"] = psutil.Process().create_time()
+    process_group_at = time.time()
+    if os.environ.get("BARE_TRAIN_THREAD") == "1":
+        with ThreadPoolExecutor(1) as pool:
+            metrics = pool.submit(train, trial, rank, world_size, device).result()
+    else:
+        metrics = train(trial, rank, world_size, device)
+    metrics.update(process_started_at=psutil.Process().create_time(), imported_at=imported_at,
+                   process_group_at=process_group_at)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, metrics)
     if rank == 0:

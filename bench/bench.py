@@ -34,30 +34,39 @@ from ray_zero.rows import aggregate_ranks, trial_name  # noqa: E402
 
 # Phases of a trial's life, from time marks (wall clock, seconds since the epoch) taken by the
 # sweep (Tune callback), the trial driver, every rank, and for bare runs the launching process.
-# Each rank's own phases, the same under both launchers.
+# Each rank's own phases from the start of its training function, the same under both launchers.
 RANK_PHASES = [
-    ("worker: imports, process group", "process_started_at", "train_started_at"),
     ("model build", "train_started_at", "model_built_at"),
     ("data load", "model_built_at", "data_loaded_at"),
     ("deepspeed.initialize", "data_loaded_at", "initialized_at"),
-    ("warm-up steps", "initialized_at", "warmed_up_at"),
+    ("first step", "initialized_at", "first_step_at"),
+    ("other warm-up steps", "first_step_at", "warmed_up_at"),
     ("timed steps", "warmed_up_at", "finished_at"),
 ]
 RAY_PHASES = [
+    ("tune: start the trial driver process (once per sweep)", "driver_spawned_at", "tune_started_at"),
     ("tune: schedule trial, start driver", "tune_started_at", "driver_started_at"),
     ("driver: queue actor, TorchTrainer", "driver_started_at", "fit_started_at"),
-    ("train: controller, placement group, worker actors", "fit_started_at", "process_started_at"),
+    ("train: controller, placement group, worker processes", "fit_started_at", "process_started_at"),
+    ("started early: previous trial's result to this trial's worker processes", "previous_result_at",
+     "process_started_at"),
+    ("worker: Python, Ray actor, train context, torch, process group", "process_started_at",
+     "train_fn_started_at"),
+    ("worker: import deepspeed", "train_fn_started_at", "train_started_at"),
     *RANK_PHASES,
     ("train: report, shut workers down", "finished_at", "fit_finished_at"),
     ("tune: result to the sweep", "fit_finished_at", "tune_finished_at"),
 ]
 BARE_PHASES = [
     ("torchrun: launch processes", "launched_at", "process_started_at"),
+    ("worker: Python, import torch", "process_started_at", "imported_at"),
+    ("worker: process group", "imported_at", "process_group_at"),
+    ("worker: import deepspeed", "process_group_at", "train_started_at"),
     *RANK_PHASES,
     ("gather results, exit", "finished_at", "exited_at"),
 ]
-RANK_MARKS = ("train_started_at", "model_built_at", "data_loaded_at", "initialized_at", "warmed_up_at",
-              "finished_at", "process_started_at")
+RANK_MARKS = ("process_started_at", "imported_at", "process_group_at", "train_fn_started_at", "train_started_at",
+              "model_built_at", "data_loaded_at", "initialized_at", "first_step_at", "warmed_up_at", "finished_at")
 
 
 def _slowest_rank_marks(per_rank: list[dict]) -> dict[str, float]:
@@ -69,14 +78,15 @@ def _phases(marks: dict[str, float], phases) -> dict[str, float]:
     return {name: marks[end] - marks[start] for name, start, end in phases if start in marks and end in marks}
 
 
-def run_bare(experiment, point, precision: str, use_gpu: bool, workdir: Path) -> dict:
+def run_bare(experiment, point, precision: str, use_gpu: bool, workdir: Path,
+             torchrun_args: tuple[str, ...] = ()) -> dict:
     """One grid point as bare DeepSpeed under torchrun; returns its row."""
     trial = {"experiment": experiment.model_dump(mode="json"), "point": point, "precision": precision,
              "use_gpu": use_gpu}
     trial_path, out_path = workdir / f"{trial_name(point)}.json", workdir / f"{trial_name(point)}.out.json"
     trial_path.write_text(json.dumps(trial))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={point['num_workers']}", str(ROOT / "bench" / "bare_deepspeed.py"),
+               f"--nproc_per_node={point['num_workers']}", *torchrun_args, str(ROOT / "bench" / "bare_deepspeed.py"),
                str(trial_path), str(out_path)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # as Ray gives a 1-CPU worker
@@ -91,50 +101,84 @@ def run_bare(experiment, point, precision: str, use_gpu: bool, workdir: Path) ->
             **{f"bare {k}": v for k, v in _phases(marks, BARE_PHASES).items()}}
 
 
-def ray_rows(output: Path) -> dict[str, dict]:
-    rows = {}
-    for row in load_trials(output):
+def ray_rows(output: Path, serial: bool = False) -> dict[str, dict]:
+    """The sweep's ok rows with their phases. `tune_wall_s` is the trial's wall time as Tune saw it, plus
+    the start of its driver process if Tune started one for it (later trials reuse it). With `serial`
+    (the sweep trained one trial at a time) it is instead the time since the previous trial's result:
+    what each trial adds to the sweep, also when it started early and waited for the GPUs."""
+    rows, seen_drivers, previous = {}, set(), None
+    for row in sorted(load_trials(output), key=lambda r: r.get("tune_finished_at") or 0):
         if row.get("status") != "ok":
             continue
         marks = {**{k: row[k] for k in ("tune_started_at", "driver_started_at", "fit_started_at",
                                         "fit_finished_at", "tune_finished_at") if row.get(k)},
                  **_slowest_rank_marks(row["per_rank"])}
-        rows[row["trial"]] = {**row, "tune_wall_s": row["tune_finished_at"] - row["tune_started_at"],
+        if row["driver_pid"] not in seen_drivers:
+            seen_drivers.add(row["driver_pid"])
+            marks["driver_spawned_at"] = min(row["driver_process_started_at"], row["tune_started_at"])
+        began = marks.get("driver_spawned_at", row["tune_started_at"])
+        if serial and previous is not None:
+            began = previous
+            if row["fit_started_at"] < previous:
+                # Started early: its driver and controller started during the previous trial, then waited.
+                for overlapped in ("tune_started_at", "driver_started_at", "fit_started_at"):
+                    marks.pop(overlapped, None)
+                marks["previous_result_at"] = previous
+        previous = row["tune_finished_at"]
+        rows[row["trial"]] = {**row, "tune_started_at": began, "tune_wall_s": row["tune_finished_at"] - began,
                               **{f"ray {k}": v for k, v in _phases(marks, RAY_PHASES).items()}}
     return rows
 
 
+def _ray_limited_to(workers: int, use_gpu: bool, cpus_per_worker: int) -> None:
+    """A private Ray with room for exactly one trial of `workers` workers: trials train one at a time."""
+    import ray
+
+    ray.init(num_gpus=workers if use_gpu else 0, num_cpus=max(2, workers * cpus_per_worker) if use_gpu
+             else workers * cpus_per_worker, dashboard_host="127.0.0.1", configure_logging=False)
+
+
 def compare(experiment, output: Path) -> pd.DataFrame:
+    import ray
+
     cluster = local_cluster()
     plan = plan_sweep(experiment, cluster)
     workdir = Path(tempfile.mkdtemp(prefix="bare-"))
-    bare = {}
-    for point in plan.runnable:
-        print(f"bench: bare DeepSpeed {trial_name(point)}", flush=True)
-        bare[trial_name(point)] = run_bare(experiment, point, plan.precision, plan.use_gpu, workdir)
-    print("bench: ray_zero sweep of the same grid, one trial at a time like the bare runs", flush=True)
-    alone = experiment.model_copy(update={"max_concurrent_trials": 1})
-    run_sweep(alone, output / "ray_zero", command="bench/bench.py")
-    ray = ray_rows(output / "ray_zero")
     records = []
-    for name, b in bare.items():
-        r = ray[name]
-        records.append({
-            "trial": name,
-            "bare_samples_per_s": b["samples_per_s"], "ray_zero_samples_per_s": r["samples_per_s"],
-            "samples_per_s_ratio": r["samples_per_s"] / b["samples_per_s"],
-            "bare_wall_s": b["wall_s"], "ray_zero_wall_s": r["tune_wall_s"],
-            "bare_overhead_s": b["wall_s"] - b["timed_s"], "ray_zero_overhead_s": r["tune_wall_s"] - r["timed_s"],
-            "overhead_minus_bare_s": (r["tune_wall_s"] - r["timed_s"]) - (b["wall_s"] - b["timed_s"]),
-            **{k: v for k, v in b.items() if k.startswith("bare ")},
-            **{k: v for k, v in r.items() if k.startswith("ray ")},
-        })
+    for workers in sorted({p["num_workers"] for p in plan.runnable}):
+        points = [p for p in plan.runnable if p["num_workers"] == workers]
+        bare = {}
+        for point in points:
+            print(f"bench: bare DeepSpeed {trial_name(point)}", flush=True)
+            bare[trial_name(point)] = run_bare(experiment, point, plan.precision, plan.use_gpu, workdir)
+        print(f"bench: ray_zero sweep of the same {len(points)} points, on a Ray with room for one "
+              f"{workers}-worker trial (trials train one at a time, like the bare runs)", flush=True)
+        group = experiment.model_copy(update={"grid": experiment.grid.model_copy(update={"num_workers": [workers]})})
+        _ray_limited_to(workers, plan.use_gpu, experiment.cpus_per_worker)
+        try:
+            run_sweep(group, output / "ray_zero" / f"w{workers}", command="bench/bench.py")
+        finally:
+            ray.shutdown()
+        ray_side = ray_rows(output / "ray_zero" / f"w{workers}", serial=True)
+        for order, (name, r) in enumerate(ray_side.items()):
+            b = bare[name]
+            records.append({
+                "trial": name, "order_in_sweep": order + 1,
+                "bare_samples_per_s": b["samples_per_s"], "ray_zero_samples_per_s": r["samples_per_s"],
+                "samples_per_s_ratio": r["samples_per_s"] / b["samples_per_s"],
+                "bare_wall_s": b["wall_s"], "ray_zero_wall_s": r["tune_wall_s"],
+                "bare_overhead_s": b["wall_s"] - b["timed_s"], "ray_zero_overhead_s": r["tune_wall_s"] - r["timed_s"],
+                "overhead_minus_bare_s": (r["tune_wall_s"] - r["timed_s"]) - (b["wall_s"] - b["timed_s"]),
+                **{k: v for k, v in b.items() if k.startswith("bare ")},
+                **{k: v for k, v in r.items() if k.startswith("ray ")},
+            })
     return pd.DataFrame(records)
 
 
 def packing(experiment, output: Path) -> dict:
     """Eight 1-worker trials: how well does the sweep pack them onto the machine's GPUs (or CPUs)?"""
-    eight = experiment.model_copy(update={"grid": experiment.grid.model_copy(update={
+    # Without early starts: a trial's Tune wall time is then its own, not a wait for a free GPU.
+    eight = experiment.model_copy(update={"overlap_startup": False, "grid": experiment.grid.model_copy(update={
         "stage": [0, 1], "micro_batch_size": [16, 32, 48, 64], "num_workers": [1]})})
     started = time.time()
     run_sweep(eight, output / "packing", command="bench/bench.py --packing")
@@ -152,27 +196,36 @@ def main() -> None:
     parser.add_argument("experiment", nargs="?", default=str(ROOT / "experiments" / "quick.yaml"))
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="as for ray_zero sweep")
     parser.add_argument("--packing", action="store_true", help="also time a grid of eight 1-worker trials")
+    parser.add_argument("--only-packing", action="store_true", help="time the eight 1-worker trials only")
     parser.add_argument("--output", type=Path, required=True, help="folder for bench.md, bench.csv, the sweeps")
     args = parser.parse_args()
     experiment = load_experiment(args.experiment, args.overrides).with_absolute_data_dir()
     args.output.mkdir(parents=True, exist_ok=True)
-    table = compare(experiment, args.output)
-    table.to_csv(args.output / "bench.csv", index=False)
-    provenance = read_provenance(args.output / "ray_zero") or {}
-    provenance["command"] = " ".join(["python", "bench/bench.py", *sys.argv[1:]])
     lines = [f"# ray_zero vs bare DeepSpeed: {experiment.name}", ""]
-    lines += [f"- {k}: {v}" for k, v in provenance.items() if k != "experiment"]
-    summary = ["trial", "bare_samples_per_s", "ray_zero_samples_per_s", "samples_per_s_ratio", "bare_wall_s",
-               "ray_zero_wall_s", "bare_overhead_s", "ray_zero_overhead_s", "overhead_minus_bare_s"]
-    lines += ["", "## Throughput and per-trial overhead", "", markdown_table(table, summary), ""]
-    phases = table.set_index("trial").filter(like=" ").T
-    lines += ["## Where each trial's time went (seconds, slowest rank)", "",
-              markdown_table(phases.reset_index().rename(columns={"index": "phase"}), ["phase", *phases.columns]), ""]
-    if args.packing:
+    if not args.only_packing:
+        table = compare(experiment, args.output)
+        table.to_csv(args.output / "bench.csv", index=False)
+        provenance = read_provenance(next((args.output / "ray_zero").iterdir())) or {}
+        provenance["command"] = " ".join(["python", "bench/bench.py", *sys.argv[1:]])
+        lines += [f"- {k}: {v}" for k, v in provenance.items() if k != "experiment"]
+        summary = ["trial", "order_in_sweep", "bare_samples_per_s", "ray_zero_samples_per_s", "samples_per_s_ratio",
+                   "bare_wall_s", "ray_zero_wall_s", "bare_overhead_s", "ray_zero_overhead_s", "overhead_minus_bare_s"]
+        lines += ["", "## Throughput and per-trial overhead", "", markdown_table(table, summary), ""]
+        order = [f"bare {name}" for name, _, _ in BARE_PHASES] + [f"ray {name}" for name, _, _ in RAY_PHASES]
+        phases = table.set_index("trial")[[c for c in order if c in table.columns]].T
+        lines += ["## Where each trial's time went (seconds, slowest rank)", "",
+                  markdown_table(phases.reset_index().rename(columns={"index": "phase"}), ["phase", *phases.columns]),
+                  ""]
+    if args.packing or args.only_packing:
         packed = packing(experiment, args.output)
+        if args.only_packing:
+            provenance = read_provenance(args.output / "packing") or {}
+            provenance["command"] = " ".join(["python", "bench/bench.py", *sys.argv[1:]])
+            lines += [f"- {k}: {v}" for k, v in provenance.items() if k != "experiment"] + [""]
         lines += ["## Packing: eight 1-worker trials", ""]
         lines += [f"- {k}: {v:.3g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in packed.items()]
-        json.dump(packed, open(args.output / "packing.json", "w"), indent=1)
+        with open(args.output / "packing.json", "w") as out:
+            json.dump(packed, out, indent=1)
     atomic_write(args.output / "bench.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 

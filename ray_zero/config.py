@@ -135,6 +135,11 @@ class Experiment(_Strict):
     max_concurrent_trials: Optional[int] = Field(default=None, gt=0)
     """At most this many trials at once (default: as many as the cluster's GPUs or CPUs allow). 1 keeps
     trials from sharing the machine, e.g. to time them without neighbours."""
+    overlap_startup: Optional[bool] = None
+    """Start one trial more than can run at once: its driver and Ray Train controller start, and wait for
+    free GPUs, while the others train, so their start-up no longer sits between trials. Default: on with
+    GPUs, off on CPU (there the early start takes CPU from the training trials). Only where
+    max_concurrent_trials does not hold back trials that the GPUs or CPUs would fit."""
     max_failures: int = Field(default=0, ge=0)
     """Retries of a trial whose worker dies, before it is recorded as failed."""
     storage_path: Optional[str] = None

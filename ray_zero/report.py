@@ -25,7 +25,7 @@ COLUMNS = [
     "gradient_bytes_per_rank_max", "master_param_bytes_per_rank_max", "other_optimizer_bytes_per_rank_max",
     "predicted_model_state_gib", "measured_model_state_gib", "predicted_peak_gib", "measured_over_predicted",
     "paper_model_state_gib", "tflops_per_worker", "mfu", "global_batch", "reduce_bucket_size", "timed_steps", "loss_by_epoch",
-    "memory_kind", "device", "attempts", "timed_s", "model_build_s", "data_load_s", "initialize_s", "warmup_s",
+    "memory_kind", "device", "attempts", "queued_s", "timed_s", "model_build_s", "data_load_s", "initialize_s", "warmup_s",
     "data_source", "trial", "error",
 ]
 # The Markdown table shows the columns a reader compares; results.csv has them all.

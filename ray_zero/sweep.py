@@ -65,6 +65,12 @@ class Plan:
     skipped: list[dict[str, int]]
     max_concurrent_trials: int
     capacity: int
+    started_early: int = 0  # trials whose driver and controller start before GPUs or CPUs are free
+
+    @property
+    def trial_drivers(self) -> int:
+        """Trials Tune runs at once: those training, plus any started early."""
+        return self.max_concurrent_trials + self.started_early
 
 
 def local_cluster() -> Cluster:
@@ -95,7 +101,12 @@ def plan_sweep(experiment: Experiment, cluster: Cluster) -> Plan:
     concurrent = max(1, capacity // largest)
     if experiment.max_concurrent_trials is not None:
         concurrent = min(concurrent, experiment.max_concurrent_trials)
-    return Plan(use_gpu, precision, runnable, skipped, concurrent, capacity)
+    overlap = experiment.overlap_startup if experiment.overlap_startup is not None else use_gpu
+    # One more trial may start only if it then has to wait: were it to fit beside the others, it
+    # would train at once, past max_concurrent_trials.
+    smallest = min(p["num_workers"] for p in runnable)
+    early = int(overlap and len(runnable) > concurrent and (concurrent + 1) * smallest > capacity)
+    return Plan(use_gpu, precision, runnable, skipped, concurrent, capacity, early)
 
 
 def skipped_row(experiment: Experiment, point: dict[str, int], plan: Plan, cluster: Cluster) -> dict[str, Any]:
@@ -144,6 +155,7 @@ def provenance(experiment: Experiment, cluster: Cluster, plan: Plan, command: st
         "device": "gpu" if plan.use_gpu else "cpu",
         "precision": plan.precision,
         "max_concurrent_trials": plan.max_concurrent_trials,
+        "trials_started_early": plan.started_early,
     }
 
 
@@ -261,8 +273,9 @@ def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] =
             for point in plan.skipped:
                 append_trial(output_dir, skipped_row(experiment, point, plan, cluster))
             write_results(output_dir, load_trials(output_dir), prov)
+        early = f" (+{plan.started_early} starting early)" if plan.started_early else ""
         print(f"ray_zero: {len(plan.runnable)} trials ({len(plan.skipped)} skipped), up to "
-              f"{plan.max_concurrent_trials} at once on {'GPU' if plan.use_gpu else 'CPU'}, "
+              f"{plan.max_concurrent_trials} at once{early} on {'GPU' if plan.use_gpu else 'CPU'}, "
               f"{plan.precision}; results in {output_dir}", flush=True)
 
         # The trial is a driver only (the work is in its Train workers): it reserves no CPU, so a
@@ -285,7 +298,10 @@ def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] =
                     "storage_path": storage,
                 },
                 tune_config=tune.TuneConfig(
-                    max_concurrent_trials=plan.max_concurrent_trials,
+                    max_concurrent_trials=plan.trial_drivers,
+                    # The next trial's driver runs in the finished one's process: no new process and
+                    # imports for every trial (Tune's default for function trainables is False).
+                    reuse_actors=True,
                     trial_name_creator=lambda t: trial_name(t.config["point"]),
                     trial_dirname_creator=lambda t: f"{trial_name(t.config['point'])}_{t.trial_id}",
                 ),

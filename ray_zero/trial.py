@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ray import tune
 from ray.train import FailureConfig, RunConfig, ScalingConfig, UserCallback
 from ray.train.torch import TorchTrainer
@@ -76,14 +78,20 @@ class AllRanksCallback(UserCallback):
 def run_trial(config: dict[str, Any]) -> None:
     """Tune function trainable: run one grid point as a TorchTrainer and report its row to Tune."""
     driver_started_at = time.time()
+    # Tune reuses this process for the next trial (reuse_actors): its start-up is paid once per sweep.
+    driver_process = psutil.Process()
     # The Train controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default), so
     # a finished trial waited up to 2 s to be noticed: 0.25 s saved about 3 s a trial (bench/README.md).
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+    # A trial started early (overlap_startup) waits for the running trial's GPUs: Train's 60 s limit on
+    # that wait would end in a retry, with a warning, every minute of a long trial.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(24 * 3600))
     experiment = Experiment.model_validate(config["experiment"])
     point, precision, use_gpu = config["point"], config["precision"], config["use_gpu"]
     context = tune.get_context()
     row = base_row(experiment, point, precision, use_gpu)
-    row["driver_started_at"] = driver_started_at
+    row.update(driver_started_at=driver_started_at, driver_pid=driver_process.pid,
+               driver_process_started_at=driver_process.create_time())
     trial = {"experiment": config["experiment"], "point": point, "precision": precision,
              "use_gpu": use_gpu, "trial_name": context.get_trial_name()}
     if experiment.fault is not None:
@@ -111,7 +119,6 @@ def run_trial(config: dict[str, Any]) -> None:
     except TrainingFailedError as error:
         row.update(failure_fields(error))
     row["fit_finished_at"] = time.time()
-    row["wall_s"] = row["fit_finished_at"] - row["fit_started_at"]
     reports, failed_attempts = [], 0
     while not queue.empty():
         kind, item = queue.get_nowait()
@@ -119,6 +126,11 @@ def run_trial(config: dict[str, Any]) -> None:
             reports = item  # the last report holds each rank's final measurements
         else:
             failed_attempts += 1
+    # The trial's own time runs from the first worker process of the attempt that reported; before
+    # that, Ray Train's controller started (and, for a trial started early, waited for free GPUs).
+    first_worker = min((r["process_started_at"] for r in reports if "process_started_at" in r), default=None)
+    row["queued_s"] = first_worker - row["fit_started_at"] if first_worker else None
+    row["wall_s"] = row["fit_finished_at"] - (first_worker or row["fit_started_at"])
     if reports:
         row.update(aggregate_ranks(reports))
         row["per_rank"] = [{"trial": row["trial"], **r} for r in reports]

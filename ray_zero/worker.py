@@ -186,6 +186,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         epoch_loss_sum += step_loss
         if step == 0:
             synchronize(device)
+            marks["first_step_at"] = time.time()  # the first step creates communicators, kernels' handles
             timeline["after_first_step"] = probe.current()["allocated_gib"]
             states = model_state_bytes(engine.module, optimizer)
             # Some optimizers free gradients in their step, others keep them: the larger count holds.
@@ -251,6 +252,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
 
 def train_loop_per_worker(trial: dict[str, Any]) -> None:
     """Ray Train entry point: run `train` on this worker, publish live gauges, report once."""
+    train_fn_started_at = time.time()  # Ray's worker set-up (actor, train context, process group) is done
     import ray
     import ray.train
     import ray.train.torch
@@ -277,8 +279,8 @@ def train_loop_per_worker(trial: dict[str, Any]) -> None:
             gauges[name].set(value, tags=tags)
 
     metrics = train(trial, rank, world_size, device, on_progress=publish)
-    metrics.update(process_started_at=process_started_at, pid=os.getpid(),
-                   node_id=ray.get_runtime_context().get_node_id())
+    metrics.update(process_started_at=process_started_at, train_fn_started_at=train_fn_started_at,
+                   pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id())
     publish(metrics["steps"], {"loss": metrics["loss_last"], "samples_per_s": metrics["samples_per_s"],
                                "peak_allocated_gib": metrics["peak_allocated_gib"]})
     ray.train.report(metrics)

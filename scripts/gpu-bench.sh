@@ -1,14 +1,18 @@
 # bench/results on the lent 2 x H200 machine: ray_zero against bare DeepSpeed, then packing.
 #   bash scripts/gpu-bench.sh large     # the 806 M model, workers 1 and 2, stage 0 and 1
-#   bash scripts/gpu-bench.sh seed      # the seed model, same grid, and eight 1-worker trials
+#   bash scripts/gpu-bench.sh seed      # the seed model: stage 0/1 x micro-batch 32/64 x 1/2 GPUs, 300 steps
+#   bash scripts/gpu-bench.sh packing   # the seed model: eight 1-worker trials on the 2 GPUs
 set -u
 source scripts/gpu-env.sh
 R=/tmp/bench; mkdir -p $R
+python3 -c "import torch, deepspeed, ray.train.torch"   # compile and cache the imports once, for both sides
 case "$1" in
-  large) timeout 560 python3 bench/bench.py experiments/memory_scaling.yaml --set 'grid.num_workers=[1,2]' \
+  large) timeout 400 python3 bench/bench.py experiments/memory_scaling.yaml --set 'grid.num_workers=[1,2]' \
            --set steps=60 --set warmup_steps=10 --output $R/large-h200x2 > $R/large.log 2>&1 ;;
-  seed)  timeout 400 python3 bench/bench.py experiments/quick.yaml --set steps=300 --set warmup_steps=20 --set 'grid.num_workers=[1]' \
-           --packing --output $R/seed-h200x2 > $R/seed.log 2>&1 ;;
+  seed)  timeout 480 python3 bench/bench.py experiments/quick.yaml --set steps=300 --set warmup_steps=20 \
+           --set 'grid.micro_batch_size=[32,64]' --output $R/seed-h200x2 > $R/seed.log 2>&1 ;;
+  packing) timeout 200 python3 bench/bench.py experiments/quick.yaml --set steps=300 --set warmup_steps=20 \
+           --only-packing --output $R/packing-h200x2 > $R/packing.log 2>&1 ;;
 esac
-echo "rc=$?"; grep -E "^ray_zero|^bench|^\| |^- |Error" $R/*.log | tail -60
+echo "rc=$?"; grep -E "^ray_zero|^bench|^\| |^- |Error" $R/*.log | tail -70
 cd $R && tar czf $OUT/bench.tgz --exclude='tune' --exclude='train' .

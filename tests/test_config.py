@@ -98,3 +98,24 @@ def test_plan_packs_trials_onto_the_cluster_and_skips_what_cannot_fit():
     assert plan_sweep(limited, Cluster(gpus=2, cpus=32, source="x")).max_concurrent_trials == 1
     cpu = plan_sweep(ones, Cluster(gpus=0, cpus=2, source="a laptop"))
     assert not cpu.use_gpu and cpu.precision == "fp32" and cpu.max_concurrent_trials == 2
+
+
+def test_plan_starts_one_trial_early_only_where_it_must_wait():
+    from ray_zero.sweep import Cluster, plan_sweep
+
+    two_gpus, laptop = Cluster(gpus=2, cpus=32, source="x"), Cluster(gpus=0, cpus=2, source="y")
+    twos = validate_experiment({"steps": 4, "grid": {"stage": [0, 1], "num_workers": [2]}})
+    plan = plan_sweep(twos, two_gpus)
+    assert (plan.max_concurrent_trials, plan.started_early, plan.trial_drivers) == (1, 1, 2)
+    ones = validate_experiment({"steps": 4, "grid": {"stage": [0, 1, 2], "num_workers": [1]}})
+    assert plan_sweep(ones, two_gpus).trial_drivers == 3  # two train, one waits
+    # Capped below what the GPUs fit, an early trial would train at once: none starts early.
+    capped = ones.model_copy(update={"max_concurrent_trials": 1})
+    assert plan_sweep(capped, two_gpus).trial_drivers == 1
+    mixed = validate_experiment({"steps": 4, "grid": {"stage": [0, 1], "num_workers": [1, 2]}})
+    assert plan_sweep(mixed, two_gpus).started_early == 0  # a 1-worker trial would fit beside one
+    # Off on CPU unless asked; nothing to overlap with a single trial.
+    assert plan_sweep(twos, laptop).started_early == 0
+    assert plan_sweep(twos.model_copy(update={"overlap_startup": True}), laptop).started_early == 1
+    single = validate_experiment({"steps": 4, "grid": {"stage": [1], "num_workers": [2]}})
+    assert plan_sweep(single, two_gpus).started_early == 0

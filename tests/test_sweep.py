@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from ray_zero.config import load_experiment
-from ray_zero.report import COLUMNS
+from ray_zero.report import COLUMNS, load_trials
 from ray_zero.sweep import run_sweep
 
 REQUIRED = ["stage", "micro_batch_size", "num_workers", "precision", "model", "params", "dataset", "steps",
@@ -35,6 +35,10 @@ def test_quick_grid_gives_four_ok_rows(quick_sweep):
     assert (table["samples_per_s"] > 0).all() and (table["peak_allocated_gib_max"] > 0).all()
     assert (table["memory_kind"] == "cpu_rss").all()
     assert table["data_source"].str.contains("MNIST").all()
+    # One at a time (the 2-worker trials fill both CPUs): Tune ran every trial in the same driver process.
+    rows = load_trials(output)
+    assert len({r["driver_pid"] for r in rows}) == 1
+    assert all(r["queued_s"] > 0 and r["wall_s"] > r["timed_s"] for r in rows)
 
 
 def test_zero1_halves_optimizer_state_per_rank_at_two_workers(quick_sweep):
@@ -78,9 +82,14 @@ def test_report_rerenders_without_ray(quick_sweep, cli):
     assert "stage1_mb64_w2" in done.stdout and (output / "results.md").is_file() and (output / "memory.png").is_file()
 
 
-def test_stages_2_and_3_run_on_cpu(ray_instance, tmp_path):
+def test_stages_2_and_3_run_on_cpu_the_second_started_early(ray_instance, tmp_path):
     experiment = load_experiment("experiments/quick.yaml", [
-        "steps=4", "warmup_steps=1", "dataset=synthetic", "grid.stage=[2,3]", "grid.num_workers=[2]"])
+        "steps=4", "warmup_steps=1", "dataset=synthetic", "grid.stage=[2,3]", "grid.num_workers=[2]",
+        "overlap_startup=true"])
     frame = run_sweep(experiment, tmp_path, command="pytest stages 2 3")
     assert list(frame["status"]) == ["ok", "ok"] and list(frame["stage"]) == [2, 3]
     assert frame["loss_last"].map(math.isfinite).all()
+    # Both trials' drivers and controllers started at once; one trained while the other waited for the CPUs.
+    first, second = sorted(load_trials(tmp_path), key=lambda r: r["finished_at"])
+    assert second["fit_started_at"] < first["finished_at"] < second["process_started_at"]
+    assert second["queued_s"] > first["wall_s"] - 1
