@@ -175,6 +175,49 @@ def compare(experiment, output: Path) -> pd.DataFrame:
     return pd.DataFrame(records)
 
 
+def throughput(experiment, output: Path, repeats: int) -> pd.DataFrame:
+    """Steady-state samples/s only: each point `repeats` times, bare and ray_zero alternating, so that
+    a drift of the machine (clocks, neighbours) hits both launchers alike; paired ratios per repeat."""
+    import ray
+
+    plan = plan_sweep(experiment, local_cluster())
+    workdir = Path(tempfile.mkdtemp(prefix="bare-"))
+    records = []
+    for point in plan.runnable:
+        name = trial_name(point)
+        single = experiment.model_copy(update={"grid": experiment.grid.model_copy(update={
+            "stage": [point["stage"]], "micro_batch_size": [point["micro_batch_size"]],
+            "num_workers": [point["num_workers"]]})})
+        for repeat in range(1, repeats + 1):
+            print(f"bench: throughput {name}, repeat {repeat}: bare, then ray_zero", flush=True)
+            bare = run_bare(experiment, point, plan.precision, plan.use_gpu, workdir)
+            folder = output / "throughput" / f"{name}-{repeat}"
+            _ray_limited_to(point["num_workers"], plan.use_gpu, experiment.cpus_per_worker)
+            try:
+                run_sweep(single, folder, command="bench/bench.py --throughput")
+            finally:
+                ray.shutdown()
+            ray_side = ray_rows(folder)[name]
+            records.append({"trial": name, "repeat": repeat, "bare_samples_per_s": bare["samples_per_s"],
+                            "ray_zero_samples_per_s": ray_side["samples_per_s"],
+                            "samples_per_s_ratio": ray_side["samples_per_s"] / bare["samples_per_s"],
+                            "bare_timed_s": bare["timed_s"], "ray_zero_timed_s": ray_side["timed_s"]})
+    return pd.DataFrame(records)
+
+
+def throughput_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """Per point: the median paired ratio, its spread, and each launcher's spread between repeats."""
+    grouped = table.groupby("trial", sort=False)
+    return pd.DataFrame({
+        "repeats": grouped.size(),
+        "median_ratio": grouped["samples_per_s_ratio"].median(),
+        "min_ratio": grouped["samples_per_s_ratio"].min(),
+        "max_ratio": grouped["samples_per_s_ratio"].max(),
+        "bare_spread": grouped["bare_samples_per_s"].max() / grouped["bare_samples_per_s"].min(),
+        "ray_zero_spread": grouped["ray_zero_samples_per_s"].max() / grouped["ray_zero_samples_per_s"].min(),
+    }).reset_index()
+
+
 def packing(experiment, output: Path) -> dict:
     """Eight 1-worker trials: how well does the sweep pack them onto the machine's GPUs (or CPUs)?"""
     # Without early starts: a trial's Tune wall time is then its own, not a wait for a free GPU.
@@ -197,11 +240,25 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="as for ray_zero sweep")
     parser.add_argument("--packing", action="store_true", help="also time a grid of eight 1-worker trials")
     parser.add_argument("--only-packing", action="store_true", help="time the eight 1-worker trials only")
+    parser.add_argument("--throughput", type=int, metavar="R", default=0,
+                        help="instead: samples/s only, each point R times, bare and ray_zero alternating")
     parser.add_argument("--output", type=Path, required=True, help="folder for bench.md, bench.csv, the sweeps")
     args = parser.parse_args()
     experiment = load_experiment(args.experiment, args.overrides).with_absolute_data_dir()
     args.output.mkdir(parents=True, exist_ok=True)
     lines = [f"# ray_zero vs bare DeepSpeed: {experiment.name}", ""]
+    if args.throughput:
+        table = throughput(experiment, args.output, args.throughput)
+        table.to_csv(args.output / "throughput.csv", index=False)
+        provenance = read_provenance(next((args.output / "throughput").iterdir())) or {}
+        provenance["command"] = " ".join(["python", "bench/bench.py", *sys.argv[1:]])
+        lines += [f"- {k}: {v}" for k, v in provenance.items() if k != "experiment"]
+        lines += ["", "## Steady-state samples/s, repeats alternating bare and ray_zero", "",
+                  markdown_table(table, list(table.columns)), "", "## Per point", "",
+                  markdown_table(summary := throughput_summary(table), list(summary.columns)), ""]
+        atomic_write(args.output / "throughput.md", "\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     if not args.only_packing:
         table = compare(experiment, args.output)
         table.to_csv(args.output / "bench.csv", index=False)

@@ -2,6 +2,7 @@
 #   bash scripts/gpu-bench.sh large     # the 806 M model, workers 1 and 2, stage 0 and 1
 #   bash scripts/gpu-bench.sh seed      # the seed model: stage 0/1 x micro-batch 32/64 x 1/2 GPUs, 300 steps
 #   bash scripts/gpu-bench.sh packing   # the seed model: eight 1-worker trials on the 2 GPUs
+#   bash scripts/gpu-bench.sh throughput EXPERIMENT --set ... --throughput 3   # samples/s only, repeated
 set -u
 source scripts/gpu-env.sh
 R=/tmp/bench; mkdir -p $R
@@ -11,6 +12,7 @@ case "$1" in
            --set steps=60 --set warmup_steps=10 --output $R/large-h200x2 > $R/large.log 2>&1 ;;
   seed)  timeout 480 python3 bench/bench.py experiments/quick.yaml --set steps=300 --set warmup_steps=20 \
            --set 'grid.micro_batch_size=[32,64]' --output $R/seed-h200x2 > $R/seed.log 2>&1 ;;
+  throughput) shift; timeout 540 python3 bench/bench.py "$@" --output $R/throughput > $R/throughput.log 2>&1 ;;
   packing) timeout 200 python3 bench/bench.py experiments/quick.yaml --set steps=300 --set warmup_steps=20 \
            --only-packing --output $R/packing-h200x2 > $R/packing.log 2>&1 ;;
 esac
