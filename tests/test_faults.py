@@ -77,10 +77,11 @@ def test_worker_killed_from_outside_is_retried(ray_instance, tmp_path):
 
 def test_interrupted_sweep_resumes_running_only_unfinished_trials(tmp_path):
     output = tmp_path / "sweep"
-    # One trial at a time (each worker takes both CPUs), so "after the first trial" is well defined.
+    # One trial at a time (each worker takes both CPUs), so "after the first trial" is well defined; the
+    # next one starts early and waits for the CPUs, so Ctrl-C also stops a trial that is only waiting.
     args = [sys.executable, "-m", "ray_zero", "sweep", "experiments/quick.yaml", "--output", str(output),
             "--set", "steps=4", "--set", "grid.stage=[0,1,2]", "--set", "grid.num_workers=[1]",
-            "--set", "cpus_per_worker=2"]
+            "--set", "cpus_per_worker=2", "--set", "overlap_startup=true"]
     sweep = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     record = output / "trials.jsonl"
     deadline = time.time() + 240
