@@ -1,15 +1,16 @@
 """ray_zero against bare DeepSpeed, same configurations, one invocation, one machine.
 
-    python bench/bench.py --output bench/results/cpu-2core                     # quick.yaml's grid
-    python bench/bench.py experiments/memory_scaling.yaml --set 'grid.num_workers=[1,2]' --packing \
-        --output bench/results/h200x2
+    python bench/bench.py --packing --output bench/results/cpu-2core     # quick.yaml's grid
+    python bench/bench.py experiments/memory_scaling.yaml --set 'grid.num_workers=[1,2]' --output /tmp/large
+    python bench/bench.py ... --throughput 3 --output /tmp/throughput      # samples/s only, repeated
 
-For every runnable grid point it runs the trial twice: bare DeepSpeed under torchrun
-(bench/bare_deepspeed.py: ray_zero.worker.train, no Ray) and as a ray_zero trial (Ray Tune + Ray
-Train). It writes bench.md / bench.csv with the steady-state samples/s ratio (ray_zero / bare), the
-per-trial overhead (wall time minus timed steps) and where each trial's start-up went.
-`--packing` adds a grid of eight 1-worker trials and compares the sweep's wall time with the sum of
-its trials' wall times.
+For every runnable grid point it runs bare DeepSpeed under torchrun (bench/bare_deepspeed.py:
+ray_zero.worker.train, no Ray), then, per worker count, the same points as a ray_zero sweep on a Ray
+with room for one trial (Ray Tune + Ray Train, trials one at a time). It writes bench.md / bench.csv
+with the steady-state samples/s ratio (ray_zero / bare), the per-trial overhead (wall time minus timed
+steps) and where each trial's start-up went. `--packing` adds a grid of eight 1-worker trials and
+compares the sweep's wall time with the sum of its trials' wall times; `--throughput R` measures
+samples/s only, bare and ray_zero alternating R times.
 """
 from __future__ import annotations
 
@@ -130,17 +131,28 @@ def ray_rows(output: Path, serial: bool = False) -> dict[str, dict]:
     return rows
 
 
-def _ray_limited_to(workers: int, use_gpu: bool, cpus_per_worker: int) -> None:
-    """A private Ray with room for exactly one trial of `workers` workers: trials train one at a time."""
+def _sweep_alone(experiment, folder: Path, workers: int, use_gpu: bool, command: str) -> None:
+    """Run `experiment` as a ray_zero sweep on a private Ray with room for exactly one trial of
+    `workers` workers: its trials train one at a time, like the bare runs."""
     import ray
 
-    ray.init(num_gpus=workers if use_gpu else 0, num_cpus=max(2, workers * cpus_per_worker) if use_gpu
-             else workers * cpus_per_worker, dashboard_host="127.0.0.1", configure_logging=False)
+    cpus = workers * experiment.cpus_per_worker
+    ray.init(num_gpus=workers if use_gpu else 0, num_cpus=max(2, cpus) if use_gpu else cpus,
+             dashboard_host="127.0.0.1", configure_logging=False)
+    try:
+        run_sweep(experiment, folder, command=command)
+    finally:
+        ray.shutdown()
+
+
+def _provenance_lines(folder: Path) -> list[str]:
+    """A sweep's provenance as Markdown list items, with this benchmark's command in place of the sweep's."""
+    provenance = read_provenance(folder) or {}
+    provenance["command"] = " ".join(["python", "bench/bench.py", *sys.argv[1:]])
+    return [f"- {k}: {v}" for k, v in provenance.items() if k != "experiment"]
 
 
 def compare(experiment, output: Path) -> pd.DataFrame:
-    import ray
-
     cluster = local_cluster()
     plan = plan_sweep(experiment, cluster)
     workdir = Path(tempfile.mkdtemp(prefix="bare-"))
@@ -154,11 +166,7 @@ def compare(experiment, output: Path) -> pd.DataFrame:
         print(f"bench: ray_zero sweep of the same {len(points)} points, on a Ray with room for one "
               f"{workers}-worker trial (trials train one at a time, like the bare runs)", flush=True)
         group = experiment.model_copy(update={"grid": experiment.grid.model_copy(update={"num_workers": [workers]})})
-        _ray_limited_to(workers, plan.use_gpu, experiment.cpus_per_worker)
-        try:
-            run_sweep(group, output / "ray_zero" / f"w{workers}", command="bench/bench.py")
-        finally:
-            ray.shutdown()
+        _sweep_alone(group, output / "ray_zero" / f"w{workers}", workers, plan.use_gpu, "bench/bench.py")
         ray_side = ray_rows(output / "ray_zero" / f"w{workers}", serial=True)
         for order, (name, r) in enumerate(ray_side.items()):
             b = bare[name]
@@ -178,8 +186,6 @@ def compare(experiment, output: Path) -> pd.DataFrame:
 def throughput(experiment, output: Path, repeats: int) -> pd.DataFrame:
     """Steady-state samples/s only: each point `repeats` times, bare and ray_zero alternating, so that
     a drift of the machine (clocks, neighbours) hits both launchers alike; paired ratios per repeat."""
-    import ray
-
     plan = plan_sweep(experiment, local_cluster())
     workdir = Path(tempfile.mkdtemp(prefix="bare-"))
     records = []
@@ -192,11 +198,7 @@ def throughput(experiment, output: Path, repeats: int) -> pd.DataFrame:
             print(f"bench: throughput {name}, repeat {repeat}: bare, then ray_zero", flush=True)
             bare = run_bare(experiment, point, plan.precision, plan.use_gpu, workdir)
             folder = output / "throughput" / f"{name}-{repeat}"
-            _ray_limited_to(point["num_workers"], plan.use_gpu, experiment.cpus_per_worker)
-            try:
-                run_sweep(single, folder, command="bench/bench.py --throughput")
-            finally:
-                ray.shutdown()
+            _sweep_alone(single, folder, point["num_workers"], plan.use_gpu, "bench/bench.py --throughput")
             ray_side = ray_rows(folder)[name]
             records.append({"trial": name, "repeat": repeat, "bare_samples_per_s": bare["samples_per_s"],
                             "ray_zero_samples_per_s": ray_side["samples_per_s"],
@@ -250,9 +252,7 @@ def main() -> None:
     if args.throughput:
         table = throughput(experiment, args.output, args.throughput)
         table.to_csv(args.output / "throughput.csv", index=False)
-        provenance = read_provenance(next((args.output / "throughput").iterdir())) or {}
-        provenance["command"] = " ".join(["python", "bench/bench.py", *sys.argv[1:]])
-        lines += [f"- {k}: {v}" for k, v in provenance.items() if k != "experiment"]
+        lines += _provenance_lines(next((args.output / "throughput").iterdir()))
         lines += ["", "## Steady-state samples/s, repeats alternating bare and ray_zero", "",
                   markdown_table(table, list(table.columns)), "", "## Per point", "",
                   markdown_table(summary := throughput_summary(table), list(summary.columns)), ""]
@@ -262,9 +262,7 @@ def main() -> None:
     if not args.only_packing:
         table = compare(experiment, args.output)
         table.to_csv(args.output / "bench.csv", index=False)
-        provenance = read_provenance(next((args.output / "ray_zero").iterdir())) or {}
-        provenance["command"] = " ".join(["python", "bench/bench.py", *sys.argv[1:]])
-        lines += [f"- {k}: {v}" for k, v in provenance.items() if k != "experiment"]
+        lines += _provenance_lines(next((args.output / "ray_zero").iterdir()))
         summary = ["trial", "order_in_sweep", "bare_samples_per_s", "ray_zero_samples_per_s", "samples_per_s_ratio",
                    "bare_wall_s", "ray_zero_wall_s", "bare_overhead_s", "ray_zero_overhead_s", "overhead_minus_bare_s"]
         lines += ["", "## Throughput and per-trial overhead", "", markdown_table(table, summary), ""]
@@ -276,9 +274,7 @@ def main() -> None:
     if args.packing or args.only_packing:
         packed = packing(experiment, args.output)
         if args.only_packing:
-            provenance = read_provenance(args.output / "packing") or {}
-            provenance["command"] = " ".join(["python", "bench/bench.py", *sys.argv[1:]])
-            lines += [f"- {k}: {v}" for k, v in provenance.items() if k != "experiment"] + [""]
+            lines += [*_provenance_lines(args.output / "packing"), ""]
         lines += ["## Packing: eight 1-worker trials", ""]
         lines += [f"- {k}: {v:.3g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in packed.items()]
         with open(args.output / "packing.json", "w") as out:
