@@ -204,6 +204,8 @@ def throughput(experiment, output: Path, repeats: int) -> pd.DataFrame:
                             "ray_zero_samples_per_s": ray_side["samples_per_s"],
                             "samples_per_s_ratio": ray_side["samples_per_s"] / bare["samples_per_s"],
                             "bare_timed_s": bare["timed_s"], "ray_zero_timed_s": ray_side["timed_s"]})
+            # Written after every pair, so that a run cut short by a time limit keeps what it measured.
+            pd.DataFrame(records).to_csv(output / "throughput.csv", index=False)
     return pd.DataFrame(records)
 
 
