@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import sys
+import time
 
 import pandas as pd
 import pytest
@@ -93,3 +95,37 @@ def test_stages_2_and_3_run_on_cpu_the_second_started_early(ray_instance, tmp_pa
     first, second = sorted(load_trials(tmp_path), key=lambda r: r["finished_at"])
     assert second["fit_started_at"] < first["finished_at"] < second["process_started_at"]
     assert second["queued_s"] > first["wall_s"] - 1
+
+
+def _remove_coordinator(ray, name: dict) -> None:
+    try:
+        ray.kill(ray.get_actor(**name), no_restart=True)
+    except ValueError:
+        return
+    for _ in range(100):  # a killed actor's name is released asynchronously
+        try:
+            ray.get_actor(**name)
+        except ValueError:
+            return
+        time.sleep(0.1)
+    pytest.fail("the killed coordinator kept its name")
+
+
+def test_sweep_start_creates_the_coordinator_ray_train_waits_for(ray_instance, monkeypatch):
+    """Cut 6 (bench/README.md): the sweep creates Ray Data's autoscaling coordinator itself, so the first
+    trial's controller finds it instead of starting it and waiting."""
+    from ray_zero.sweep import _start_autoscaling_coordinator
+
+    ray = ray_instance
+    name = {"name": "AutoscalingCoordinator", "namespace": "AutoscalingCoordinator"}
+    _remove_coordinator(ray, name)  # earlier trials of this session created it: only the call below may now
+    _start_autoscaling_coordinator()
+    coordinator = ray.get_actor(**name)
+    assert ray.get(coordinator.get_reserved_resources.remote("ray-zero-test"), timeout=60) == {}
+
+    # A Ray without this private module: nothing is created, nothing raised.
+    _remove_coordinator(ray, name)
+    monkeypatch.setitem(sys.modules, "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator", None)
+    _start_autoscaling_coordinator()
+    with pytest.raises(ValueError):
+        ray.get_actor(**name)
