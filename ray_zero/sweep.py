@@ -22,8 +22,8 @@ from ray.tune.result import AUTO_RESULT_KEYS
 
 from ray_zero.config import ConfigError, Experiment
 from ray_zero.plots import write_plots
-from ray_zero.report import (EXPERIMENT_FILE, append_trial, atomic_write, join_storage, load_trials, publish,
-                             read_provenance, write_results)
+from ray_zero.report import (EXPERIMENT_FILE, TRIALS_FILE, append_trial, atomic_write, join_storage, load_trials,
+                             publish, read_provenance, write_results)
 from ray_zero.rows import base_row, finish_row, trial_name
 from ray_zero.trial import run_trial
 
@@ -117,7 +117,12 @@ def skipped_row(experiment: Experiment, point: dict[str, int], plan: Plan, clust
     return finish_row(row)
 
 
-def check_output_dir(output_dir: Path) -> None:
+def check_output_dir(output_dir: Path, resume: bool = False) -> None:
+    """Writable, and (unless resuming) without an earlier sweep's trials: a new sweep there would mix its
+    rows into that sweep's table under its own provenance, and replace that sweep's report."""
+    if not resume and (output_dir / TRIALS_FILE).is_file() and (output_dir / TRIALS_FILE).stat().st_size:
+        raise ConfigError(f"--output {output_dir}: already holds a sweep's results ({TRIALS_FILE}); give a new "
+                          f"folder, or finish that sweep with --resume {output_dir}")
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         probe = output_dir / ".ray_zero_write_test"
@@ -263,7 +268,7 @@ def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] =
 
     command = command or " ".join(shlex.quote(a) for a in ["python", "-m", "ray_zero", *sys.argv[1:]])
     output_dir = output_dir.resolve()
-    check_output_dir(output_dir)
+    check_output_dir(output_dir, resume)
     experiment = experiment.with_absolute_data_dir()
     if not (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
         plan_sweep(experiment, local_cluster())  # reject impossible grids before Ray starts

@@ -20,6 +20,7 @@ CASES = [
     ("missing file", ["{tmp}/nope.yaml"], "experiment file not found"),
     ("unwritable output", [QUICK, "--output", "{tmp}/a_file/out"], "is not writable"),
     ("malformed set", [QUICK, "--set", "steps"], "expected KEY=VALUE"),
+    ("output of an earlier sweep", [QUICK, "--output", "{tmp}/earlier"], "already holds a sweep's results"),
     ("unknown option", [QUICK, "--stages", "1"], "unrecognized arguments"),
 ]
 
@@ -29,6 +30,8 @@ def test_bad_input_is_one_clear_line_before_ray_starts(case, args, expected, tmp
     (tmp_path / "broken.yaml").write_text("steps: 4\ngrid: {stage: [0, 1]\n")
     (tmp_path / "list.yaml").write_text("- steps\n")
     (tmp_path / "a_file").write_text("not a folder")
+    (tmp_path / "earlier").mkdir()
+    (tmp_path / "earlier" / "trials.jsonl").write_text('{"trial": "stage0_mb64_w1", "status": "ok"}\n')
     done = cli("sweep", *[a.format(tmp=tmp_path) for a in args])
     stderr_lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2, done.stderr
