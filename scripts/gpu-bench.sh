@@ -5,7 +5,7 @@
 #   bash scripts/gpu-bench.sh throughput EXPERIMENT --set ... --throughput 3   # samples/s only, repeated
 set -u
 source scripts/gpu-env.sh
-R=/tmp/bench; mkdir -p $R
+R=$(mktemp -d /tmp/bench.XXXX)   # fresh: a sweep refuses a folder that holds results
 python3 -c "import torch, deepspeed, ray.train.torch"   # compile and cache the imports once, for both sides
 case "$1" in
   large) timeout 400 python3 bench/bench.py experiments/memory_scaling.yaml --set 'grid.num_workers=[1,2]' \

@@ -4,7 +4,7 @@
 #   bash scripts/gpu-diagnose.sh
 set -u
 source scripts/gpu-env.sh
-R=/tmp/diag; mkdir -p $R
+R=$(mktemp -d /tmp/diag.XXXX)
 python3 -c "import torch, deepspeed, ray.train.torch"   # compile and cache the imports once
 bare() {  # experiment, label, overrides...
   local exp=$1 label=$2; shift 2

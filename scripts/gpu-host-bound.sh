@@ -7,7 +7,7 @@
 #                                            # drift over the call against the thread's own cost
 set -u
 source scripts/gpu-env.sh
-R=/tmp/hb; mkdir -p $R
+R=$(mktemp -d /tmp/hb.XXXX)
 python3 -c "import torch, deepspeed, ray.train.torch"   # compile and cache the imports once
 command -v py-spy || echo "no py-spy"
 MODE=${1:-profile}
@@ -52,10 +52,10 @@ echo "seed w1 ray_zero: $(grep '^ray_zero: stage' $R/seed-ray.log)" | tee -a $R/
 busy "after the sweep" | tee -a $R/results.txt
 bare "seed w1 bare again"
 grep -A12 "controller log" $R/startup-seed-w2/startup.md | head -8
-python3 - <<'PY'
-import collections, re
+python3 - "$R" <<'PY'
+import collections, re, sys
 for name in ("gil", "all"):
-    try: lines = open(f"/tmp/hb/{name}.txt").read().splitlines()
+    try: lines = open(f"{sys.argv[1]}/{name}.txt").read().splitlines()
     except OSError: print(name, "missing"); continue
     per_thread = collections.Counter()
     for line in lines:
