@@ -248,6 +248,8 @@ def main() -> None:
                         help="instead: samples/s only, each point R times, bare and ray_zero alternating")
     parser.add_argument("--output", type=Path, required=True, help="folder for bench.md, bench.csv, the sweeps")
     args = parser.parse_args()
+    if args.output.is_dir() and any(args.output.iterdir()):  # its sweeps would refuse it halfway
+        parser.error(f"--output {args.output} is not empty: give a new folder")
     experiment = load_experiment(args.experiment, args.overrides).with_absolute_data_dir()
     args.output.mkdir(parents=True, exist_ok=True)
     lines = [f"# ray_zero vs bare DeepSpeed: {experiment.name}", ""]

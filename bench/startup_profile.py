@@ -133,6 +133,8 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="as for ray_zero sweep")
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
+    if args.output.is_dir() and any(args.output.iterdir()):  # its sweeps would refuse it halfway
+        parser.error(f"--output {args.output} is not empty: give a new folder")
     experiment = load_experiment(args.experiment, args.overrides).with_absolute_data_dir()
     plan = plan_sweep(experiment, local_cluster())
     if len(plan.runnable) != 1:
