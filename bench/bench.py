@@ -152,6 +152,12 @@ def _provenance_lines(folder: Path) -> list[str]:
     return [f"- {k}: {v}" for k, v in provenance.items() if k != "experiment"]
 
 
+def require_new_output(parser: argparse.ArgumentParser, output: Path) -> None:
+    """A benchmark's sweeps refuse a folder that holds results: refuse a non-empty --output up front."""
+    if output.is_dir() and any(output.iterdir()):
+        parser.error(f"--output {output} is not empty: give a new folder")
+
+
 def compare(experiment, output: Path) -> pd.DataFrame:
     cluster = local_cluster()
     plan = plan_sweep(experiment, cluster)
@@ -248,8 +254,7 @@ def main() -> None:
                         help="instead: samples/s only, each point R times, bare and ray_zero alternating")
     parser.add_argument("--output", type=Path, required=True, help="folder for bench.md, bench.csv, the sweeps")
     args = parser.parse_args()
-    if args.output.is_dir() and any(args.output.iterdir()):  # its sweeps would refuse it halfway
-        parser.error(f"--output {args.output} is not empty: give a new folder")
+    require_new_output(parser, args.output)
     experiment = load_experiment(args.experiment, args.overrides).with_absolute_data_dir()
     args.output.mkdir(parents=True, exist_ok=True)
     lines = [f"# ray_zero vs bare DeepSpeed: {experiment.name}", ""]

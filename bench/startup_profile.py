@@ -125,6 +125,7 @@ def profile_bare(experiment, point, precision: str, use_gpu: bool, output: Path)
 
 
 def main() -> None:
+    from bench import require_new_output
     from ray_zero.config import load_experiment
     from ray_zero.sweep import local_cluster, plan_sweep
 
@@ -133,8 +134,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="as for ray_zero sweep")
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
-    if args.output.is_dir() and any(args.output.iterdir()):  # its sweeps would refuse it halfway
-        parser.error(f"--output {args.output} is not empty: give a new folder")
+    require_new_output(parser, args.output)
     experiment = load_experiment(args.experiment, args.overrides).with_absolute_data_dir()
     plan = plan_sweep(experiment, local_cluster())
     if len(plan.runnable) != 1:

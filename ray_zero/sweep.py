@@ -120,7 +120,8 @@ def skipped_row(experiment: Experiment, point: dict[str, int], plan: Plan, clust
 def check_output_dir(output_dir: Path, resume: bool = False) -> None:
     """Writable, and (unless resuming) without an earlier sweep's trials: a new sweep there would mix its
     rows into that sweep's table under its own provenance, and replace that sweep's report."""
-    if not resume and (output_dir / TRIALS_FILE).is_file() and (output_dir / TRIALS_FILE).stat().st_size:
+    trials = output_dir / TRIALS_FILE
+    if not resume and trials.is_file() and trials.stat().st_size:
         raise ConfigError(f"--output {output_dir}: already holds a sweep's results ({TRIALS_FILE}); give a new "
                           f"folder, or finish that sweep with --resume {output_dir}")
     try:

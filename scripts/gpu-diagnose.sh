@@ -8,18 +8,7 @@ R=$(mktemp -d /tmp/diag.XXXX)
 python3 -c "import torch, deepspeed, ray.train.torch"   # compile and cache the imports once
 bare() {  # experiment, label, overrides...
   local exp=$1 label=$2; shift 2
-  python3 - "$exp" "$label" "$@" <<'PY' 2>>$R/bare.err | tee -a $R/bare.txt
-import sys, tempfile
-from pathlib import Path
-sys.path[:0] = [".", "bench"]
-from bench import run_bare
-from ray_zero.config import load_experiment
-import torch
-USE_GPU = ('fp16', True) if torch.cuda.is_available() else ('fp32', False)
-exp = load_experiment(sys.argv[1], sys.argv[3:]).with_absolute_data_dir()
-row = run_bare(exp, {"stage": 1, "micro_batch_size": 64, "num_workers": 2}, USE_GPU[0], USE_GPU[1], Path(tempfile.mkdtemp()))
-print(f"{sys.argv[2]}: {row['samples_per_s']:.1f} samples/s, timed {row['timed_s']:.2f} s, wall {row['wall_s']:.1f} s", flush=True)
-PY
+  python3 bench/bare_once.py "$exp" --label "$label" --workers 2 $(printf -- '--set %s ' "$@") 2>>$R/bare.err | tee -a $R/bare.txt
 }
 sweep() {  # experiment, label, overrides...
   local exp=$1 label=$2; shift 2

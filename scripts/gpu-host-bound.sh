@@ -15,16 +15,7 @@ MODE=${1:-profile}
   --output $R/startup-seed-w2 > $R/startup.log 2>&1; echo "profile rc=$?"
 S="experiments/quick.yaml"; SS="steps=1520 warmup_steps=20"
 bare() {  # label
-  python3 - "$1" $SS <<'PY' 2>>$R/bare.err | tee -a $R/results.txt
-import sys, tempfile
-from pathlib import Path
-sys.path[:0] = [".", "bench"]
-from bench import run_bare
-from ray_zero.config import load_experiment
-exp = load_experiment("experiments/quick.yaml", sys.argv[2:]).with_absolute_data_dir()
-row = run_bare(exp, {"stage": 1, "micro_batch_size": 64, "num_workers": 1}, "fp16", True, Path(tempfile.mkdtemp()))
-print(f"{sys.argv[1]}: {row['samples_per_s']:.1f} samples/s, timed {row['timed_s']:.2f} s, wall {row['wall_s']:.1f} s", flush=True)
-PY
+  python3 bench/bare_once.py $S --label "$1" --workers 1 $(printf -- '--set %s ' $SS) 2>>$R/bare.err | tee -a $R/results.txt
 }
 spy() {  # wait for the trial's worker, then sample it inside its timed window
   local pid=""
