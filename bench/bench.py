@@ -152,6 +152,12 @@ def _provenance_lines(folder: Path) -> list[str]:
     return [f"- {k}: {v}" for k, v in provenance.items() if k != "experiment"]
 
 
+def _affinity() -> str:
+    """The CPUs this process may run on (taskset pins it and every process it starts, Ray's included)."""
+    cpus, total = sorted(os.sched_getaffinity(0)), os.cpu_count()
+    return f"all {total}" if len(cpus) == total else f"{len(cpus)} of {total}: {','.join(map(str, cpus))}"
+
+
 def require_new_output(parser: argparse.ArgumentParser, output: Path) -> None:
     """A benchmark's sweeps refuse a folder that holds results: refuse a non-empty --output up front."""
     if output.is_dir() and any(output.iterdir()):
@@ -190,8 +196,9 @@ def compare(experiment, output: Path) -> pd.DataFrame:
 
 
 def throughput(experiment, output: Path, repeats: int) -> pd.DataFrame:
-    """Steady-state samples/s only: each point `repeats` times, bare and ray_zero alternating, so that
-    a drift of the machine (clocks, neighbours) hits both launchers alike; paired ratios per repeat."""
+    """Steady-state samples/s only: each point `repeats` times, bare and ray_zero alternating, the first
+    of each pair swapped every repeat (bare, ray_zero; ray_zero, bare; ...), so that a drift of the
+    machine (clocks, neighbours, caches) hits both launchers alike; paired ratios per repeat."""
     plan = plan_sweep(experiment, local_cluster())
     workdir = Path(tempfile.mkdtemp(prefix="bare-"))
     records = []
@@ -201,12 +208,18 @@ def throughput(experiment, output: Path, repeats: int) -> pd.DataFrame:
             "stage": [point["stage"]], "micro_batch_size": [point["micro_batch_size"]],
             "num_workers": [point["num_workers"]]})})
         for repeat in range(1, repeats + 1):
-            print(f"bench: throughput {name}, repeat {repeat}: bare, then ray_zero", flush=True)
-            bare = run_bare(experiment, point, plan.precision, plan.use_gpu, workdir)
+            bare_first = repeat % 2 == 1
+            print(f"bench: throughput {name}, repeat {repeat}: "
+                  f"{'bare, then ray_zero' if bare_first else 'ray_zero, then bare'}", flush=True)
             folder = output / "throughput" / f"{name}-{repeat}"
+            if bare_first:
+                bare = run_bare(experiment, point, plan.precision, plan.use_gpu, workdir)
             _sweep_alone(single, folder, point["num_workers"], plan.use_gpu, "bench/bench.py --throughput")
+            if not bare_first:
+                bare = run_bare(experiment, point, plan.precision, plan.use_gpu, workdir)
             ray_side = ray_rows(folder)[name]
-            records.append({"trial": name, "repeat": repeat, "bare_samples_per_s": bare["samples_per_s"],
+            records.append({"trial": name, "repeat": repeat, "first": "bare" if bare_first else "ray_zero",
+                            "bare_samples_per_s": bare["samples_per_s"],
                             "ray_zero_samples_per_s": ray_side["samples_per_s"],
                             "samples_per_s_ratio": ray_side["samples_per_s"] / bare["samples_per_s"],
                             "bare_timed_s": bare["timed_s"], "ray_zero_timed_s": ray_side["timed_s"]})
@@ -266,6 +279,7 @@ def main() -> None:
         lines += [line for line in _provenance_lines(next((args.output / "throughput").iterdir()))
                   if not line.startswith(per_run)]
         lines.append("- each ray_zero run: a private Ray with room for exactly its one trial")
+        lines.append(f"- cpus this benchmark and its children may use: {_affinity()}")
         lines += ["", "## Steady-state samples/s, repeats alternating bare and ray_zero", "",
                   markdown_table(table, list(table.columns)), "", "## Per point", "",
                   markdown_table(summary := throughput_summary(table), list(summary.columns)), ""]
