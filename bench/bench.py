@@ -222,7 +222,14 @@ def throughput(experiment, output: Path, repeats: int) -> pd.DataFrame:
                             "bare_samples_per_s": bare["samples_per_s"],
                             "ray_zero_samples_per_s": ray_side["samples_per_s"],
                             "samples_per_s_ratio": ray_side["samples_per_s"] / bare["samples_per_s"],
-                            "bare_timed_s": bare["timed_s"], "ray_zero_timed_s": ray_side["timed_s"]})
+                            "bare_timed_s": bare["timed_s"], "ray_zero_timed_s": ray_side["timed_s"],
+                            # Each ray_zero run is a sweep's first trial: its overhead includes Tune's driver.
+                            "bare_overhead_s": bare["wall_s"] - bare["timed_s"],
+                            "ray_zero_first_trial_overhead_s": ray_side["tune_wall_s"] - ray_side["timed_s"],
+                            "bare_window_median": bare["window_samples_per_s_median"],
+                            "ray_zero_window_median": ray_side["window_samples_per_s_median"],
+                            **{f"{which}_ratio": ray_side[which] / bare[which] for which in
+                               ("window_samples_per_s_median", "window_samples_per_s_p90")}})
             # Written after every pair, so that a run cut short by a time limit keeps what it measured.
             pd.DataFrame(records).to_csv(output / "throughput.csv", index=False)
     return pd.DataFrame(records)
@@ -234,6 +241,8 @@ def throughput_summary(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({
         "repeats": grouped.size(),
         "median_ratio": grouped["samples_per_s_ratio"].median(),
+        "median_ratio_of_window_medians": grouped["window_samples_per_s_median_ratio"].median(),
+        "median_ratio_of_window_p90s": grouped["window_samples_per_s_p90_ratio"].median(),
         "min_ratio": grouped["samples_per_s_ratio"].min(),
         "max_ratio": grouped["samples_per_s_ratio"].max(),
         "bare_spread": grouped["bare_samples_per_s"].max() / grouped["bare_samples_per_s"].min(),

@@ -38,6 +38,9 @@ def aggregate_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         row[f"{column}_min"] = min(values) if values else None
     rates = _numbers(per_rank, "samples_per_s")
     row["samples_per_s"] = sum(rates) if rates else None
+    for key in ("window_samples_per_s_median", "window_samples_per_s_p90"):
+        values = _numbers(per_rank, key)
+        row[key] = sum(values) if values and len(values) == len(per_rank) else None
     row["samples_per_s_per_worker"] = sum(rates) / len(rates) if rates else None
     for key in ("loss_first", "loss_last"):
         values = _numbers(per_rank, key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -60,6 +61,13 @@ def _inject_fault(experiment: Experiment, stage: int, rank: int, step: int, atte
     if fault.kind == "error":
         raise RuntimeError(f"injected error (ray_zero's fault option at {where})")
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _median_and_p90(values: list[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (float("nan"), float("nan"))
+    deciles = statistics.quantiles(values, n=10, method="inclusive")
+    return deciles[4], deciles[8]
 
 
 def _engine_dtype(engine) -> torch.dtype:
@@ -159,6 +167,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
     timer = StepTimer(device)
     whole_peak = {"allocated_gib": 0.0, "reserved_gib": 0.0}
     window_started, window_step = time.perf_counter(), 0
+    window_rates: list[float] = []  # samples/s of each timed window of live_metrics_every steps
     engine.train()
     for step in range(total_steps):
         set_phase(f"step {step}")
@@ -201,11 +210,13 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
             # .item() waits for the device: that makes the window's rate honest.
             loss_value = step_loss.item()
             now = time.perf_counter()
-            if on_progress is not None and step >= experiment.warmup_steps:
+            if step >= experiment.warmup_steps:
                 rate = (step + 1 - window_step) * micro * accum / max(now - window_started, 1e-9)
-                on_progress(step + 1, {"loss": loss_value, "samples_per_s": rate,
-                                       "peak_allocated_gib": max(whole_peak["allocated_gib"],
-                                                                 probe.peak()["allocated_gib"])})
+                window_rates.append(rate)
+                if on_progress is not None:
+                    on_progress(step + 1, {"loss": loss_value, "samples_per_s": rate,
+                                           "peak_allocated_gib": max(whole_peak["allocated_gib"],
+                                                                     probe.peak()["allocated_gib"])})
             window_started, window_step = now, step + 1
     timed_s = timer.stop()
     timed_peak = probe.peak()
@@ -214,6 +225,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
 
     timed_steps = total_steps - experiment.warmup_steps
     samples_per_s = timed_steps * micro * accum / timed_s if timed_s > 0 else float("nan")
+    window_median, window_p90 = _median_and_p90(window_rates)
     preset = PRESETS[experiment.model]
     achieved_tflops = samples_per_s * preset.flops_per_sample() / 1e12
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -232,6 +244,9 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         "warmup_s": marks["warmed_up_at"] - marks["initialized_at"],
         "data_bytes": shard.images.nbytes + shard.labels.nbytes,
         "samples_per_s": samples_per_s,
+        # The timed windows' median and 90th percentile: a rate that hiccups of a shared host move less.
+        "window_samples_per_s_median": window_median,
+        "window_samples_per_s_p90": window_p90,
         "tflops": achieved_tflops,
         "mfu": achieved_tflops / peak if peak else None,
         "loss_first": loss_first,

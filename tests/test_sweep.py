@@ -63,6 +63,10 @@ def test_per_rank_file_has_every_rank_and_memory_is_max_over_ranks(quick_sweep):
         assert row.peak_allocated_gib_max == pytest.approx(mine["peak_allocated_gib"].max())
         assert row.peak_allocated_gib_min == pytest.approx(mine["peak_allocated_gib"].min())
         assert row.samples_per_s == pytest.approx(mine["samples_per_s"].sum())
+        # One timed window of 5 steps here (steps 2-4 of 6): its rate, within 2x of the whole timed rate.
+        assert (mine["window_samples_per_s_median"] == mine["window_samples_per_s_p90"]).all()
+        assert row.window_samples_per_s_median == pytest.approx(mine["window_samples_per_s_median"].sum())
+        assert 0.5 < row.window_samples_per_s_median / row.samples_per_s < 2
 
 
 def test_results_markdown_provenance_and_plots(quick_sweep):
