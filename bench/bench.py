@@ -3,6 +3,7 @@
     python bench/bench.py --packing --output bench/results/cpu-2core     # quick.yaml's grid
     python bench/bench.py experiments/memory_scaling.yaml --set 'grid.num_workers=[1,2]' --output /tmp/large
     python bench/bench.py ... --throughput 3 --output /tmp/throughput      # samples/s only, repeated
+    python bench/bench.py ... --set 'grid.num_workers=[1]' --throughput 5 --side-by-side --output /tmp/sbs
 
 For every runnable grid point it runs bare DeepSpeed under torchrun (bench/bare_deepspeed.py:
 ray_zero.worker.train, no Ray), then, per worker count, the same points as a ray_zero sweep on a Ray
@@ -10,7 +11,8 @@ with room for one trial (Ray Tune + Ray Train, trials one at a time). It writes 
 with the steady-state samples/s ratio (ray_zero / bare), the per-trial overhead (wall time minus timed
 steps) and where each trial's start-up went. `--packing` adds a grid of eight 1-worker trials and
 compares the sweep's wall time with the sum of its trials' wall times; `--throughput R` measures
-samples/s only, bare and ray_zero alternating R times.
+samples/s only, bare and ray_zero alternating R times; with `--side-by-side`, at the same time on a
+GPU each, so that a shared host's drift hits both alike.
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 import pandas as pd
 
@@ -80,7 +84,7 @@ def _phases(marks: dict[str, float], phases) -> dict[str, float]:
 
 
 def run_bare(experiment, point, precision: str, use_gpu: bool, workdir: Path,
-             torchrun_args: tuple[str, ...] = ()) -> dict:
+             torchrun_args: tuple[str, ...] = (), env_overrides: Optional[dict[str, str]] = None) -> dict:
     """One grid point as bare DeepSpeed under torchrun; returns its row."""
     trial = {"experiment": experiment.model_dump(mode="json"), "point": point, "precision": precision,
              "use_gpu": use_gpu}
@@ -90,7 +94,8 @@ def run_bare(experiment, point, precision: str, use_gpu: bool, workdir: Path,
                f"--nproc_per_node={point['num_workers']}", *torchrun_args, str(ROOT / "bench" / "bare_deepspeed.py"),
                str(trial_path), str(out_path)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # as Ray gives a 1-CPU worker
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # as Ray gives a 1-CPU worker
+           **(env_overrides or {})}
     launched_at = time.time()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     exited_at = time.time()
@@ -195,7 +200,39 @@ def compare(experiment, output: Path) -> pd.DataFrame:
     return pd.DataFrame(records)
 
 
-def throughput(experiment, output: Path, repeats: int) -> pd.DataFrame:
+def _timed_interval(row: dict) -> tuple[float, float]:
+    """When the slowest rank's timed steps ran (wall clock)."""
+    return row["finished_at"] - row["timed_s"], row["finished_at"]
+
+
+def _side_by_side(experiment, single, point, plan, workdir: Path, folder: Path, repeat: int,
+                  delay_s: float) -> tuple[dict, dict]:
+    """Bare on one GPU and ray_zero on the other at the same time (swapped every repeat): both see the
+    same state of a shared host. The bare run starts `delay_s` later, so that the timed steps coincide."""
+    bare_gpu, ray_gpu = ("0", "1") if repeat % 2 == 1 else ("1", "0")
+    env = {"CUDA_VISIBLE_DEVICES": bare_gpu} if plan.use_gpu else {}
+
+    def bare_after_delay() -> dict:
+        time.sleep(delay_s)
+        return run_bare(experiment, point, plan.precision, plan.use_gpu, workdir, env_overrides=env)
+
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(bare_after_delay)
+        saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if plan.use_gpu:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ray_gpu  # the private Ray (raylet, workers) sees this GPU only
+        try:
+            _sweep_alone(single, folder, 1, plan.use_gpu, "bench/bench.py --throughput --side-by-side")
+        finally:
+            if saved is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        return pending.result(), ray_rows(folder)[trial_name(point)]
+
+
+def throughput(experiment, output: Path, repeats: int, side_by_side: bool = False,
+               bare_delay_s: float = 0.0) -> pd.DataFrame:
     """Steady-state samples/s only: each point `repeats` times, bare and ray_zero alternating, the first
     of each pair swapped every repeat (bare, ray_zero; ray_zero, bare; ...), so that a drift of the
     machine (clocks, neighbours, caches) hits both launchers alike; paired ratios per repeat."""
@@ -208,17 +245,28 @@ def throughput(experiment, output: Path, repeats: int) -> pd.DataFrame:
             "stage": [point["stage"]], "micro_batch_size": [point["micro_batch_size"]],
             "num_workers": [point["num_workers"]]})})
         for repeat in range(1, repeats + 1):
-            bare_first = repeat % 2 == 1
-            print(f"bench: throughput {name}, repeat {repeat}: "
-                  f"{'bare, then ray_zero' if bare_first else 'ray_zero, then bare'}", flush=True)
             folder = output / "throughput" / f"{name}-{repeat}"
-            if bare_first:
-                bare = run_bare(experiment, point, plan.precision, plan.use_gpu, workdir)
-            _sweep_alone(single, folder, point["num_workers"], plan.use_gpu, "bench/bench.py --throughput")
-            if not bare_first:
-                bare = run_bare(experiment, point, plan.precision, plan.use_gpu, workdir)
-            ray_side = ray_rows(folder)[name]
-            records.append({"trial": name, "repeat": repeat, "first": "bare" if bare_first else "ray_zero",
+            bare_first = repeat % 2 == 1
+            if side_by_side:
+                print(f"bench: throughput {name}, repeat {repeat}: bare and ray_zero at once, bare "
+                      f"{bare_delay_s:.1f} s later", flush=True)
+                bare, ray_side = _side_by_side(experiment, single, point, plan, workdir, folder, repeat,
+                                               bare_delay_s)
+                order = f"at once, bare +{bare_delay_s:.1f} s"
+                # Next pair: shift the bare start so that both timed phases begin together.
+                bare_delay_s = max(0.0, bare_delay_s + _timed_interval(ray_side)[0] - _timed_interval(bare)[0])
+            else:
+                print(f"bench: throughput {name}, repeat {repeat}: "
+                      f"{'bare, then ray_zero' if bare_first else 'ray_zero, then bare'}", flush=True)
+                if bare_first:
+                    bare = run_bare(experiment, point, plan.precision, plan.use_gpu, workdir)
+                _sweep_alone(single, folder, point["num_workers"], plan.use_gpu, "bench/bench.py --throughput")
+                if not bare_first:
+                    bare = run_bare(experiment, point, plan.precision, plan.use_gpu, workdir)
+                ray_side = ray_rows(folder)[name]
+                order = "bare" if bare_first else "ray_zero"
+            (bare_start, bare_end), (ray_start, ray_end) = _timed_interval(bare), _timed_interval(ray_side)
+            records.append({"trial": name, "repeat": repeat, "first": order,
                             "bare_samples_per_s": bare["samples_per_s"],
                             "ray_zero_samples_per_s": ray_side["samples_per_s"],
                             "samples_per_s_ratio": ray_side["samples_per_s"] / bare["samples_per_s"],
@@ -226,6 +274,9 @@ def throughput(experiment, output: Path, repeats: int) -> pd.DataFrame:
                             # Each ray_zero run is a sweep's first trial: its overhead includes Tune's driver.
                             "bare_overhead_s": bare["wall_s"] - bare["timed_s"],
                             "ray_zero_first_trial_overhead_s": ray_side["tune_wall_s"] - ray_side["timed_s"],
+                            # Share of the longer timed phase during which the other side's ran too.
+                            "timed_overlap": max(0.0, min(bare_end, ray_end) - max(bare_start, ray_start))
+                            / max(bare_end - bare_start, ray_end - ray_start),
                             "bare_window_median": bare["window_samples_per_s_median"],
                             "ray_zero_window_median": ray_side["window_samples_per_s_median"],
                             **{f"{which}_ratio": ray_side[which] / bare[which] for which in
@@ -266,6 +317,20 @@ def packing(experiment, output: Path) -> dict:
             "max_concurrent_trials": read_provenance(output / "packing")["max_concurrent_trials"]}
 
 
+def _check_side_by_side(parser: argparse.ArgumentParser, args, experiment) -> None:
+    """One line, before any Ray starts, for a side-by-side run that cannot be."""
+    if not args.throughput:
+        parser.error("--side-by-side measures samples/s only: give --throughput R as well")
+    if experiment.grid.num_workers != [1]:
+        parser.error(f"--side-by-side runs 1-worker points only (one GPU each side); grid.num_workers is "
+                     f"{experiment.grid.num_workers}: add --set 'grid.num_workers=[1]'")
+    cluster = local_cluster()
+    if cluster.gpus < 2 and experiment.use_gpu(cluster.gpus > 0):
+        parser.error(f"--side-by-side needs 2 GPUs, one for each side; this machine has {cluster.gpus}")
+    if args.bare_delay < 0:
+        parser.error(f"--bare-delay {args.bare_delay}: give 0 or more seconds")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("experiment", nargs="?", default=str(ROOT / "experiments" / "quick.yaml"))
@@ -274,14 +339,22 @@ def main() -> None:
     parser.add_argument("--only-packing", action="store_true", help="time the eight 1-worker trials only")
     parser.add_argument("--throughput", type=int, metavar="R", default=0,
                         help="instead: samples/s only, each point R times, bare and ray_zero alternating")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="with --throughput and 1-worker points on 2 GPUs: bare on one GPU, ray_zero on the "
+                             "other, at the same time")
+    parser.add_argument("--bare-delay", type=float, default=15.0, metavar="S",
+                        help="with --side-by-side: start the first bare run S seconds after the sweep (later "
+                             "pairs adjust it so that the timed steps coincide); default 15")
     parser.add_argument("--output", type=Path, required=True, help="folder for bench.md, bench.csv, the sweeps")
     args = parser.parse_args()
     require_new_output(parser, args.output)
     experiment = load_experiment(args.experiment, args.overrides).with_absolute_data_dir()
+    if args.side_by_side:
+        _check_side_by_side(parser, args, experiment)
     args.output.mkdir(parents=True, exist_ok=True)
     lines = [f"# ray_zero vs bare DeepSpeed: {experiment.name}", ""]
     if args.throughput:
-        table = throughput(experiment, args.output, args.throughput)
+        table = throughput(experiment, args.output, args.throughput, args.side_by_side, args.bare_delay)
         table.to_csv(args.output / "throughput.csv", index=False)
         # Each pair's ray_zero run had a Ray of its own, sized for its trial: the first one's is no summary.
         per_run = ("- cluster:", "- max_concurrent_trials:", "- trials_started_early:")
@@ -289,6 +362,9 @@ def main() -> None:
                   if not line.startswith(per_run)]
         lines.append("- each ray_zero run: a private Ray with room for exactly its one trial")
         lines.append(f"- cpus this benchmark and its children may use: {_affinity()}")
+        if args.side_by_side:
+            lines.append("- side by side: bare and ray_zero at the same time, each on a GPU of its own (swapped "
+                         "every repeat); `timed_overlap` is the share of the timed steps that ran together")
         lines += ["", "## Steady-state samples/s, repeats alternating bare and ray_zero", "",
                   markdown_table(table, list(table.columns)), "", "## Per point", "",
                   markdown_table(summary := throughput_summary(table), list(summary.columns)), ""]

@@ -3,6 +3,8 @@
 #   bash scripts/gpu-bench.sh seed      # the seed model: stage 0/1 x micro-batch 32/64 x 1/2 GPUs, 300 steps
 #   bash scripts/gpu-bench.sh packing   # the seed model: eight 1-worker trials on the 2 GPUs
 #   bash scripts/gpu-bench.sh throughput EXPERIMENT --set ... --throughput 3   # samples/s only, repeated
+#   bash scripts/gpu-bench.sh throughput experiments/quick.yaml --set 'grid.num_workers=[1]' --set 'grid.stage=[1]' \
+#        --set steps=4020 --set warmup_steps=20 --throughput 4 --side-by-side   # bare and ray_zero at once, a GPU each
 #   PIN_CPUS=4 bash scripts/gpu-bench.sh ...   # everything (bench, torchrun, Ray) on 4 CPUs next to each GPU
 set -u
 source scripts/gpu-env.sh
