@@ -246,16 +246,14 @@ def throughput(experiment, output: Path, repeats: int, side_by_side: bool = Fals
             "num_workers": [point["num_workers"]]})})
         for repeat in range(1, repeats + 1):
             folder = output / "throughput" / f"{name}-{repeat}"
-            bare_first = repeat % 2 == 1
             if side_by_side:
                 print(f"bench: throughput {name}, repeat {repeat}: bare and ray_zero at once, bare "
                       f"{bare_delay_s:.1f} s later", flush=True)
                 bare, ray_side = _side_by_side(experiment, single, point, plan, workdir, folder, repeat,
                                                bare_delay_s)
                 order = f"at once, bare +{bare_delay_s:.1f} s"
-                # Next pair: shift the bare start so that both timed phases begin together.
-                bare_delay_s = max(0.0, bare_delay_s + _timed_interval(ray_side)[0] - _timed_interval(bare)[0])
             else:
+                bare_first = repeat % 2 == 1
                 print(f"bench: throughput {name}, repeat {repeat}: "
                       f"{'bare, then ray_zero' if bare_first else 'ray_zero, then bare'}", flush=True)
                 if bare_first:
@@ -266,6 +264,8 @@ def throughput(experiment, output: Path, repeats: int, side_by_side: bool = Fals
                 ray_side = ray_rows(folder)[name]
                 order = "bare" if bare_first else "ray_zero"
             (bare_start, bare_end), (ray_start, ray_end) = _timed_interval(bare), _timed_interval(ray_side)
+            if side_by_side:  # next pair: shift the bare start so that both timed phases begin together
+                bare_delay_s = max(0.0, bare_delay_s + ray_start - bare_start)
             records.append({"trial": name, "repeat": repeat, "first": order,
                             "bare_samples_per_s": bare["samples_per_s"],
                             "ray_zero_samples_per_s": ray_side["samples_per_s"],

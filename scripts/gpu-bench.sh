@@ -20,7 +20,7 @@ case "$1" in
   seed)  timeout 480 $PIN python3 bench/bench.py experiments/quick.yaml --set steps=300 --set warmup_steps=20 \
            --set 'grid.micro_batch_size=[32,64]' --output $R/seed-h200x2 > $R/seed.log 2>&1 ;;
   throughput) shift; timeout 540 $PIN python3 bench/bench.py "$@" --output $R/throughput > $R/throughput.log 2>&1 ;;
-  packing) timeout 200 $PIN python3 bench/bench.py experiments/quick.yaml --set steps=300 --set warmup_steps=20 \
+  packing) timeout 330 $PIN python3 bench/bench.py experiments/quick.yaml --set steps=300 --set warmup_steps=20 \
            --only-packing --output $R/packing-h200x2 > $R/packing.log 2>&1 ;;
 esac
 echo "rc=$?"; grep -E "^ray_zero|^bench|^\| |^- |Error" $R/*.log | tail -70
