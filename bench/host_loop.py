@@ -1,0 +1,93 @@
+"""Is a host-bound training loop slower inside a Ray actor, or in a second thread as Ray Train runs it?
+
+    python bench/host_loop.py --runs 4 --steps 6000
+
+A small MLP (8 x Linear(64, 64) + GELU, batch 2, AdamW, one torch thread): its step is Python and
+dispatch, like the seed model's on a GPU. Ray, Ray Train, Ray Tune and DeepSpeed are imported in every
+case, so that only where the loop runs differs: a plain process's main thread, a second thread of it,
+a Ray actor's main thread, a thread of that actor. Prints each run's ms per step, then the medians.
+`--cuda-check runtime` shows what DeepSpeed's NVML-based CUDA check costs such a step on a machine
+without a GPU (the Ray actor inherits the setting through the environment Ray gives its workers).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def loop_ms_per_step(steps: int) -> float:
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(8)])
+    optimizer = torch.optim.AdamW(model.parameters())
+    x = torch.randn(2, 64)
+    for step in range(200 + steps):  # 200 warm-up steps
+        if step == 200:
+            started = time.perf_counter()
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return 1000 * (time.perf_counter() - started) / steps
+
+
+def in_thread(steps: int) -> float:
+    out: list[float] = []
+    thread = threading.Thread(target=lambda: out.append(loop_ms_per_step(steps)))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6000)
+    parser.add_argument("--cuda-check", choices=("nvml", "runtime"), default="nvml",
+                        help="how torch.cuda.is_available() answers: nvml is what `import deepspeed` sets "
+                             "(PYTORCH_NVML_BASED_CUDA_CHECK=1, torch's optimizers ask it every step); runtime "
+                             "sets it to 0 first")
+    args = parser.parse_args()
+    if args.cuda_check == "runtime":
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "0"  # DeepSpeed only sets it where it is unset
+    import deepspeed  # noqa: F401  (as a ray_zero worker has it)
+    import ray
+    import ray.train  # noqa: F401
+    import ray.train.torch  # noqa: F401
+    import ray.tune  # noqa: F401
+
+    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+    @ray.remote(num_cpus=1)
+    class Looper:
+        def run(self, threaded: bool, steps: int) -> float:
+            import deepspeed  # noqa: F401
+            import ray.train.torch  # noqa: F401
+            import ray.tune  # noqa: F401
+            from host_loop import in_thread, loop_ms_per_step
+            return in_thread(steps) if threaded else loop_ms_per_step(steps)
+
+    looper = Looper.remote()
+    ways = {"plain process, main thread": lambda: loop_ms_per_step(args.steps),
+            "plain process, second thread": lambda: in_thread(args.steps),
+            "Ray actor, main thread": lambda: ray.get(looper.run.remote(False, args.steps)),
+            "Ray actor, second thread": lambda: ray.get(looper.run.remote(True, args.steps))}
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for run in range(args.runs):  # the ways alternate, so that a drift of the machine hits all alike
+        for way, measure in ways.items():
+            times[way].append(measure())
+            print(f"run {run + 1}, {way}: {times[way][-1]:.3f} ms/step", flush=True)
+    for way, values in times.items():
+        print(f"median, {way}: {statistics.median(values):.3f} ms/step")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
