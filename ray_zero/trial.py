@@ -110,7 +110,9 @@ def run_trial(config: dict[str, Any]) -> None:
                                      placement_strategy=experiment.placement_strategy),
         run_config=RunConfig(name=context.get_trial_id(), storage_path=join_storage(config["storage_path"], "train"),
                              failure_config=FailureConfig(max_failures=experiment.max_failures),
-                             callbacks=[AllRanksCallback(queue)]),
+                             callbacks=[AllRanksCallback(queue)],
+                             # Read by each worker's Ray core as it starts (Ray's job supervisor does the same).
+                             worker_runtime_env={"env_vars": {"RAY_worker_niceness": str(experiment.worker_niceness)}}),
     )
     row["fit_started_at"] = time.time()
     try:

@@ -258,6 +258,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         "timed_peak_reserved_gib": timed_peak["reserved_gib"],
         "nvml_used_gib": probe.nvml_used_gib(),
         "data_source": shard.source,
+        "niceness": os.nice(0),  # the scheduler priority this rank trained at (Ray's workers: 15 by default)
     }
     result.update({f"memory_{k}_gib": v for k, v in timeline.items()})
     result.update(marks)

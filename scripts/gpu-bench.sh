@@ -6,6 +6,7 @@
 #   bash scripts/gpu-bench.sh throughput experiments/quick.yaml --set 'grid.num_workers=[1]' --set 'grid.stage=[1]' \
 #        --set steps=4020 --set warmup_steps=20 --throughput 4 --side-by-side   # bare and ray_zero at once, a GPU each
 #   PIN_CPUS=4 bash scripts/gpu-bench.sh ...   # everything (bench, torchrun, Ray) on 4 CPUs next to each GPU
+#   bash scripts/gpu-bench.sh throughput ... --set worker_niceness=15   # ray_zero's ranks at Ray's default niceness
 set -u
 source scripts/gpu-env.sh
 R=$(mktemp -d /tmp/bench.XXXX)   # fresh: a sweep refuses a folder that holds results
@@ -24,4 +25,4 @@ case "$1" in
            --only-packing --output $R/packing-h200x2 > $R/packing.log 2>&1 ;;
 esac
 echo "rc=$?"; grep -E "^ray_zero|^bench|^\| |^- |Error" $R/*.log | tail -70
-cd $R && tar czf $OUT/bench.tgz --exclude='tune' --exclude='train' .
+cd $R && tar czf $OUT/$(basename $R).tgz --exclude='tune' --exclude='train' .   # one per call: several calls can share $OUT

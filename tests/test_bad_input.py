@@ -17,6 +17,7 @@ CASES = [
     ("workers below one", [QUICK, "--set", "grid.num_workers=[0,1]"], "num_workers: must be integers of at least 1"),
     ("no point fits", [QUICK, "--set", "grid.num_workers=[4096]"], "no grid point can run"),
     ("fp16 on cpu", [QUICK, "--set", "precision=fp16", "--set", "device=cpu"], "precision fp16 needs a GPU"),
+    ("niceness out of range", [QUICK, "--set", "worker_niceness=20"], "worker_niceness: should be less than or equal to 19"),
     ("missing file", ["{tmp}/nope.yaml"], "experiment file not found"),
     ("unwritable output", [QUICK, "--output", "{tmp}/a_file/out"], "is not writable"),
     ("malformed set", [QUICK, "--set", "steps"], "expected KEY=VALUE"),

@@ -67,6 +67,8 @@ def test_per_rank_file_has_every_rank_and_memory_is_max_over_ranks(quick_sweep):
         assert (mine["window_samples_per_s_median"] == mine["window_samples_per_s_p90"]).all()
         assert row.window_samples_per_s_median == pytest.approx(mine["window_samples_per_s_median"].sum())
         assert 0.5 < row.window_samples_per_s_median / row.samples_per_s < 2
+    # Ray starts its workers at niceness 15; the ranks train at worker_niceness (default 0), like torchrun's.
+    assert (ranks["niceness"] == 0).all()
 
 
 def test_results_markdown_provenance_and_plots(quick_sweep):
@@ -91,9 +93,10 @@ def test_report_rerenders_without_ray(quick_sweep, cli):
 def test_stages_2_and_3_run_on_cpu_the_second_started_early(ray_instance, tmp_path):
     experiment = load_experiment("experiments/quick.yaml", [
         "steps=4", "warmup_steps=1", "dataset=synthetic", "grid.stage=[2,3]", "grid.num_workers=[2]",
-        "overlap_startup=true"])
+        "overlap_startup=true", "worker_niceness=15"])
     frame = run_sweep(experiment, tmp_path, command="pytest stages 2 3")
     assert list(frame["status"]) == ["ok", "ok"] and list(frame["stage"]) == [2, 3]
+    assert (pd.read_csv(tmp_path / "per_rank.csv")["niceness"] == 15).all()  # Ray's own default, asked for
     assert frame["loss_last"].map(math.isfinite).all()
     # Both trials' drivers and controllers started at once; one trained while the other waited for the CPUs.
     first, second = sorted(load_trials(tmp_path), key=lambda r: r["finished_at"])
