@@ -362,6 +362,9 @@ def main() -> None:
                   if not line.startswith(per_run)]
         lines.append("- each ray_zero run: a private Ray with room for exactly its one trial")
         lines.append(f"- cpus this benchmark and its children may use: {_affinity()}")
+        switches = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("BARE_"))
+        if switches:  # bare_deepspeed.py's set-up switches, inherited by every bare run
+            lines.append(f"- bare runs with: {' '.join(switches)}")
         if args.side_by_side:
             lines.append("- side by side: bare and ray_zero at the same time, each on a GPU of its own (swapped "
                          "every repeat); `timed_overlap` is the share of the timed steps that ran together")
