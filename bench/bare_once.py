@@ -1,5 +1,6 @@
 """One grid point as bare DeepSpeed under torchrun (bench.run_bare), printed as one line: for the
-diagnosis scripts (scripts/gpu-diagnose.sh, scripts/gpu-host-bound.sh), which set BARE_* switches.
+diagnosis scripts (scripts/gpu-diagnose.sh, scripts/gpu-host-bound.sh, which set BARE_* switches, and
+scripts/gpu-bare-pair.sh). The timed steps' wall-clock interval ends the line.
 
     python bench/bare_once.py experiments/quick.yaml --label "seed bare" --workers 2 --set steps=300
 """
@@ -32,7 +33,8 @@ def main() -> None:
     point = {"stage": args.stage, "micro_batch_size": args.micro_batch, "num_workers": args.workers}
     row = run_bare(experiment, point, "fp16" if use_gpu else "fp32", use_gpu, Path(tempfile.mkdtemp()))
     print(f"{args.label}: {row['samples_per_s']:.1f} samples/s, timed {row['timed_s']:.2f} s, "
-          f"wall {row['wall_s']:.1f} s", flush=True)
+          f"wall {row['wall_s']:.1f} s, timed steps from {row['finished_at'] - row['timed_s']:.1f} "
+          f"to {row['finished_at']:.1f}", flush=True)
 
 
 if __name__ == "__main__":
