@@ -147,9 +147,10 @@ class Experiment(_Strict):
     (defaults to the output folder). Must be reachable from every node on a multi-node cluster."""
     worker_niceness: int = Field(default=0, ge=0, le=19)
     """Linux niceness of the training ranks. Ray starts its worker processes at 15, to keep its own
-    daemons responsive; a rank at 15 loses the CPU to any busy process at 0, and a host-bound step
-    (small model, small batch) slows down where bare `torchrun` ranks, at 0, would not. 15 gives Ray's
-    default back; the driver and controller stay at Ray's setting either way."""
+    daemons responsive, so a rank would give way to any busy process at 0; bare `torchrun` ranks run at
+    0, and so do these by default (one difference between the launchers less; no throughput change was
+    measured either way, bench/README.md). 15 gives Ray's default back; the driver and controller stay
+    at Ray's setting."""
     live_metrics_every: int = Field(default=5, gt=0)
     """Update the dashboard gauges every this many steps."""
     fault: Optional[Fault] = None
