@@ -205,6 +205,11 @@ def _timed_interval(row: dict) -> tuple[float, float]:
     return row["finished_at"] - row["timed_s"], row["finished_at"]
 
 
+def timed_overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
+    """Share of the longer of two (start, end) intervals during which the other ran too."""
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0])) / max(a[1] - a[0], b[1] - b[0])
+
+
 def _side_by_side(experiment, single, point, plan, workdir: Path, folder: Path, repeat: int,
                   delay_s: float) -> tuple[dict, dict]:
     """Bare on one GPU and ray_zero on the other at the same time (swapped every repeat): both see the
@@ -274,9 +279,7 @@ def throughput(experiment, output: Path, repeats: int, side_by_side: bool = Fals
                             # Each ray_zero run is a sweep's first trial: its overhead includes Tune's driver.
                             "bare_overhead_s": bare["wall_s"] - bare["timed_s"],
                             "ray_zero_first_trial_overhead_s": ray_side["tune_wall_s"] - ray_side["timed_s"],
-                            # Share of the longer timed phase during which the other side's ran too.
-                            "timed_overlap": max(0.0, min(bare_end, ray_end) - max(bare_start, ray_start))
-                            / max(bare_end - bare_start, ray_end - ray_start),
+                            "timed_overlap": timed_overlap((bare_start, bare_end), (ray_start, ray_end)),
                             "bare_window_median": bare["window_samples_per_s_median"],
                             "ray_zero_window_median": ray_side["window_samples_per_s_median"],
                             **{f"{which}_ratio": ray_side[which] / bare[which] for which in

@@ -11,11 +11,12 @@ for i in $(seq "$REPEATS"); do
   wait
   cat /tmp/pair0 /tmp/pair1
   python3 - <<'PY'
-import re
+import re, sys
+sys.path[:0] = [".", "bench"]
+from bench import timed_overlap
 rows = [open(f"/tmp/pair{g}").read() for g in (0, 1)]
 rate = [float(re.search(r": ([\d.]+) samples/s", r).group(1)) for r in rows]
 span = [tuple(map(float, re.search(r"from ([\d.]+) to ([\d.]+)", r).groups())) for r in rows]
-overlap = max(0.0, min(span[0][1], span[1][1]) - max(span[0][0], span[1][0])) / max(e - s for s, e in span)
-print(f"  ratio GPU 1 / GPU 0: {rate[1] / rate[0]:.4f}, timed_overlap {overlap:.2f}", flush=True)
+print(f"  ratio GPU 1 / GPU 0: {rate[1] / rate[0]:.4f}, timed_overlap {timed_overlap(*span):.2f}", flush=True)
 PY
 done 2>&1 | tee "${OUT:-/tmp}/bare-pair.txt"
