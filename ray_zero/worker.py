@@ -7,8 +7,10 @@ so that importing the package stays cheap.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
+import sys
 import statistics
 import time
 from pathlib import Path
@@ -63,6 +65,21 @@ def _inject_fault(experiment: Experiment, stage: int, rank: int, step: int, atte
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def jit_ops_dir() -> str:
+    """This Python environment's own folder for DeepSpeed's JIT-built ops (used unless the user sets one).
+
+    torch keys its default build folder by op name, Python version and CUDA only (~/.cache/torch_extensions/
+    py311_cpu/deepspeed_shm_comm), while the build files name the venv's include paths: two venvs on one
+    machine rebuild the op in turn, 19-33 s on 2 CPU cores each time (seen as a slow first
+    `deepspeed.initialize` after a CI run in another venv).
+    """
+    from torch.utils.cpp_extension import get_default_build_root
+
+    environment = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:12]
+    return os.path.join(get_default_build_root(),
+                        f"py{sys.version_info.major}{sys.version_info.minor}-env-{environment}")
+
+
 def _median_and_p90(values: list[float]) -> tuple[float, float]:
     if len(values) < 2:
         return (values[0], values[0]) if values else (float("nan"), float("nan"))
@@ -92,6 +109,7 @@ def train(
     """
     experiment = Experiment.model_validate(trial["experiment"])
     point = trial["point"]
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_ops_dir())
     probe = MemoryProbe(device)
     progress = {"phase": "start"}  # where the rank is, for the out-of-memory message
     try:

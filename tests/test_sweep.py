@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from ray_zero.config import load_experiment
 from ray_zero.report import COLUMNS, load_trials
 from ray_zero.sweep import run_sweep
+from ray_zero.worker import jit_ops_dir
 
 REQUIRED = ["stage", "micro_batch_size", "num_workers", "precision", "model", "params", "dataset", "steps",
             "status", "loss_first", "loss_last", "samples_per_s", "samples_per_s_per_worker",
@@ -41,6 +45,14 @@ def test_quick_grid_gives_four_ok_rows(quick_sweep):
     rows = load_trials(output)
     assert len({r["driver_pid"] for r in rows}) == 1
     assert all(r["queued_s"] > 0 and r["wall_s"] > r["timed_s"] for r in rows)
+
+
+@pytest.mark.skipif("TORCH_EXTENSIONS_DIR" in os.environ, reason="the user chose the JIT build folder")
+def test_ranks_build_deepspeeds_cpu_op_in_this_environments_own_folder(quick_sweep):
+    # torch's default folder is shared by every venv of the machine, which then rebuild it in turn.
+    build_file = Path(jit_ops_dir()) / "deepspeed_shm_comm" / "build.ninja"
+    assert build_file.is_file()
+    assert str(Path(torch.__file__).parent / "include") in build_file.read_text()
 
 
 def test_zero1_halves_optimizer_state_per_rank_at_two_workers(quick_sweep):
