@@ -70,7 +70,7 @@ def jit_ops_dir() -> str:
 
     torch keys its default build folder by op name, Python version and CUDA only (~/.cache/torch_extensions/
     py311_cpu/deepspeed_shm_comm), while the build files name the venv's include paths: two venvs on one
-    machine rebuild the op in turn, 19-33 s on 2 CPU cores each time (seen as a slow first
+    machine rebuild the op in turn, 19-43 s on 2 CPU cores each time (seen as a slow first
     `deepspeed.initialize` after a CI run in another venv).
     """
     from torch.utils.cpp_extension import get_default_build_root
