@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -86,6 +87,7 @@ def local_cluster(extra_nodes: int = 0, cpus_per_node: int = 2):
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(list(mine), timeout=30)
+        shutil.rmtree(temp, ignore_errors=True)  # its logs and sockets: a few MB per cluster, kept otherwise
 
 
 def _zero_metrics(url: str) -> list[str]:
