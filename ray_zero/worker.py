@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import sys
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -69,7 +69,7 @@ def jit_ops_dir() -> str:
     """This Python environment's own folder for DeepSpeed's JIT-built ops (used unless the user sets one).
 
     torch keys its default build folder by op name, Python version and CUDA only (~/.cache/torch_extensions/
-    py311_cpu/deepspeed_shm_comm), while the build files name the venv's include paths: two venvs on one
+    py311_cu130/deepspeed_shm_comm with a CUDA build of torch), while the build files name the venv's include paths: two venvs on one
     machine rebuild the op in turn, 19-43 s on 2 CPU cores each time (seen as a slow first
     `deepspeed.initialize` after a CI run in another venv).
     """
@@ -277,6 +277,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         "nvml_used_gib": probe.nvml_used_gib(),
         "data_source": shard.source,
         "niceness": os.nice(0),  # the scheduler priority this rank trained at (Ray's workers: 15 by default)
+        "jit_ops_dir": os.environ["TORCH_EXTENSIONS_DIR"],  # where DeepSpeed's JIT ops were built or found
     }
     result.update({f"memory_{k}_gib": v for k, v in timeline.items()})
     result.update(marks)
