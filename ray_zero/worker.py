@@ -69,9 +69,9 @@ def jit_ops_dir() -> str:
     """This Python environment's own folder for DeepSpeed's JIT-built ops (used unless the user sets one).
 
     torch keys its default build folder by op name, Python version and CUDA only (~/.cache/torch_extensions/
-    py311_cu130/deepspeed_shm_comm with a CUDA build of torch), while the build files name the venv's include paths: two venvs on one
-    machine rebuild the op in turn, 19-43 s on 2 CPU cores each time (seen as a slow first
-    `deepspeed.initialize` after a CI run in another venv).
+    py311_cu130/deepspeed_shm_comm with a CUDA build of torch), while the build files name the venv's
+    include paths: two venvs on one machine rebuild the op in turn, 19-43 s on 2 CPU cores each time (seen
+    as a slow first `deepspeed.initialize` after a CI run in another venv).
     """
     from torch.utils.cpp_extension import get_default_build_root
 
