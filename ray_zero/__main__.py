@@ -130,7 +130,7 @@ def _estimate(args) -> int:
     import pandas as pd
 
     from ray_zero.memory_model import GIB, deepspeed, paper
-    from ray_zero.model import PRESETS
+    from ray_zero.sizes import PRESETS
 
     if args.model not in PRESETS:
         raise ConfigError(f"--model {args.model!r}: allowed presets are {', '.join(PRESETS)}")

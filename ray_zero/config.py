@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl, urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ray_zero.model import PRESETS
+from ray_zero.sizes import PRESETS
 
 Stage = Literal[0, 1, 2, 3]
 SECRET_QUERY_KEYS = {"access_key", "secret_key", "session_token", "password", "token", "sas_token",

@@ -15,15 +15,11 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ray_zero.model import IMAGE_SIZE, NUM_CLASSES
+from ray_zero.sizes import IMAGE_SIZE, NUM_CLASSES, synthetic_count
 
 log = logging.getLogger(__name__)
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-SYNTHETIC_SAMPLES = 8192
-"""Size of the synthetic set before sharding: random data has no epochs worth the name."""
-SAMPLE_BYTES = IMAGE_SIZE * IMAGE_SIZE * 4 + 8
-"""One sample on the device: float32 pixels and an int64 label."""
 
 
 @dataclass
@@ -124,11 +120,6 @@ def mnist_shard(data_dir: str, rank: int, world_size: int, device: torch.device)
     images, labels = images[rank::world_size], labels[rank::world_size]
     normalised = ((images.float() / 255.0 - MNIST_MEAN) / MNIST_STD).unsqueeze(1)
     return Batches(normalised.to(device), labels.to(device), source)
-
-
-def synthetic_count(min_samples: int, world_size: int) -> int:
-    """Samples per rank of the synthetic set: a share of SYNTHETIC_SAMPLES, at least one step's worth."""
-    return max(SYNTHETIC_SAMPLES // world_size, min_samples)
 
 
 def synthetic_shard(min_samples: int, world_size: int, seed: int, device: torch.device) -> Batches:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ray_zero.model import PRESETS, ModelPreset
+from ray_zero.sizes import PRESETS, ModelPreset
 
 GIB = 1024 ** 3
 BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}

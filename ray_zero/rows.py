@@ -6,10 +6,9 @@ import math
 from typing import Any
 
 from ray_zero.config import Experiment
-from ray_zero.data import SAMPLE_BYTES, synthetic_count
 from ray_zero.memory_model import GIB, predict_row
-from ray_zero.model import PRESETS
 from ray_zero.report import COLUMNS
+from ray_zero.sizes import PRESETS, SAMPLE_BYTES, synthetic_count
 
 # Per-rank measurements aggregated as max and min over ranks (memory is never rank 0's alone).
 _MAX_MIN = {

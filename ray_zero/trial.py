@@ -1,7 +1,8 @@
-"""One grid point = one Tune trial, which drives one Ray Train TorchTrainer and reports one row.
+"""One grid point = one Tune trial, which drives one Ray Train run (torch, data parallel) and reports one row.
 
-Ray's own TuneReportCallback forwards rank 0's metrics only. `AllRanksCallback` forwards every
-rank's report to a queue the trial owns; `run_trial` turns them (or the failure) into the row.
+Ray's own TuneReportCallback forwards rank 0's metrics only. `AllRanksCallback` (ray_zero.train_run)
+forwards every rank's report to a queue the trial owns; `run_trial` turns them (or the failure) into
+the row. This process trains nothing and imports no torch (bench/README.md, cut 7).
 """
 from __future__ import annotations
 
@@ -14,30 +15,22 @@ from typing import Any
 import psutil
 
 from ray import tune
-from ray.train import FailureConfig, RunConfig, ScalingConfig, UserCallback
-from ray.train.torch import TorchTrainer
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 from ray.util.queue import Queue
 
 from ray_zero.config import Experiment
 from ray_zero.report import join_storage
 from ray_zero.rows import aggregate_ranks, base_row, finish_row
-from ray_zero.worker import TrialOutOfMemory, train_loop_per_worker
-
-def _reason(error: BaseException) -> str:
-    """The informative part of a (possibly wrapped, multi-line) worker error, on one line."""
-    lines = [line.strip() for line in (str(error).strip() or type(error).__name__).splitlines()]
-    lines = [line for line in lines if line and not line.startswith(
-        ("Training failed due to worker errors", "Traceback", "[Rank"))]
-    reason = lines[0] if lines else type(error).__name__
-    died = next((line for line in lines if "worker process has died" in line or "killed" in line.lower()), None)
-    if died and died != reason:
-        reason = f"{reason} {died}"
-    return reason[:400]
+from ray_zero.torch_backend import ImportTorchBackendEarly, LazyTorchConfig
+from ray_zero.train_run import AllRanksCallback, one_line_reason, train_loop_per_worker
 
 
 def _out_of_memory(error: BaseException) -> dict | None:
     """The memory at failure if `error` is (or wraps) an out-of-memory error, else None."""
+    from ray_zero.worker import TrialOutOfMemory  # torch: only a failed trial pays for the import
+
     for candidate in (error, getattr(error, "cause", None), getattr(error, "__cause__", None)):
         if isinstance(candidate, TrialOutOfMemory):
             return candidate.memory
@@ -51,28 +44,14 @@ def failure_fields(error: BaseException) -> dict[str, Any]:
     for worker_error in failures.values():  # any rank out of memory makes the trial an oom row
         memory = _out_of_memory(worker_error)
         if memory is not None:
-            row = {"status": "oom", "error": _reason(worker_error)}
+            row = {"status": "oom", "error": one_line_reason(worker_error)}
             if memory:
                 row.update(peak_allocated_gib_max=memory.get("peak_allocated_gib"),
                            peak_reserved_gib_max=memory.get("peak_reserved_gib"))
             return row
     rank, worker_error = next(iter(failures.items()))
     where = f"rank {rank}: " if rank is not None else ""
-    return {"status": "failed", "error": where + _reason(worker_error)}
-
-
-class AllRanksCallback(UserCallback):
-    """Runs on the Train controller: puts every rank's report (a list in rank order), and each failed
-    attempt of the worker group, on the trial's queue."""
-
-    def __init__(self, queue: Queue):
-        self.queue = queue
-
-    def after_report(self, run_context, metrics, checkpoint):
-        self.queue.put(("report", list(metrics)))
-
-    def after_exception(self, run_context, worker_exceptions):
-        self.queue.put(("failure", {rank: _reason(error) for rank, error in worker_exceptions.items()}))
+    return {"status": "failed", "error": where + one_line_reason(worker_error)}
 
 
 def run_trial(config: dict[str, Any]) -> None:
@@ -102,15 +81,17 @@ def run_trial(config: dict[str, Any]) -> None:
     resources = {"CPU": experiment.cpus_per_worker}
     if use_gpu:
         resources["GPU"] = 1
-    trainer = TorchTrainer(
+    # TorchTrainer with a TorchConfig that imports torch only on the controller and the workers.
+    trainer = DataParallelTrainer(
         train_loop_per_worker,
         train_loop_config=trial,
+        backend_config=LazyTorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=point["num_workers"], use_gpu=use_gpu,
                                      resources_per_worker=resources,
                                      placement_strategy=experiment.placement_strategy),
         run_config=RunConfig(name=context.get_trial_id(), storage_path=join_storage(config["storage_path"], "train"),
                              failure_config=FailureConfig(max_failures=experiment.max_failures),
-                             callbacks=[AllRanksCallback(queue)],
+                             callbacks=[AllRanksCallback(queue), ImportTorchBackendEarly()],
                              # Read by each worker's Ray core as it starts (Ray's job supervisor does the same).
                              worker_runtime_env={"env_vars": {"RAY_worker_niceness": str(experiment.worker_niceness)}}),
     )

@@ -1,7 +1,7 @@
 """One rank's training: build model and data, `deepspeed.initialize`, train, measure.
 
 `train()` needs only torch.distributed to be set up (by Ray Train, or by torchrun in bench/), so the
-bare-DeepSpeed baseline runs the very same code. `train_loop_per_worker()` is the Ray Train entry.
+bare-DeepSpeed baseline runs the very same code; Ray Train's entry point is in `ray_zero.train_run`.
 This is the only module that calls `deepspeed.initialize`; deepspeed is imported inside functions
 so that importing the package stays cheap.
 """
@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import psutil
 import torch
 import torch.nn.functional as F
 
@@ -24,7 +23,8 @@ from ray_zero.config import Experiment
 from ray_zero.data import mnist_shard, synthetic_shard
 from ray_zero.ds_config import build_ds_config
 from ray_zero.metrics import MemoryProbe, StepTimer, model_state_bytes, peak_tflops, synchronize
-from ray_zero.model import PRESETS, build_model
+from ray_zero.sizes import PRESETS
+from ray_zero.model import build_model
 
 ProgressFn = Callable[[int, dict[str, float]], None]
 
@@ -283,39 +283,3 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
     result.update(marks)
     result.update(states)
     return result
-
-
-def train_loop_per_worker(trial: dict[str, Any]) -> None:
-    """Ray Train entry point: run `train` on this worker, publish live gauges, report once."""
-    train_fn_started_at = time.time()  # Ray's worker set-up (actor, train context, process group) is done
-    import ray
-    import ray.train
-    import ray.train.torch
-    from ray.util.metrics import Gauge
-
-    process_started_at = psutil.Process().create_time()
-    context = ray.train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
-    device = ray.train.torch.get_device() if trial["use_gpu"] else torch.device("cpu")
-    point = trial["point"]
-    tags = {"trial": trial.get("trial_name", ""), "stage": str(point["stage"]),
-            "micro_batch_size": str(point["micro_batch_size"]), "num_workers": str(point["num_workers"]),
-            "rank": str(rank)}
-    # Ray prefixes application metrics with "ray_": Prometheus and the dashboard show ray_zero_loss etc.
-    gauges = {name: Gauge(f"zero_{name}", description=text, tag_keys=tuple(tags))
-              for name, text in (("loss", "training loss of the latest step"),
-                                 ("samples_per_s", "this rank's samples per second, recent steps"),
-                                 ("peak_allocated_gib", "this rank's peak memory so far, GiB"),
-                                 ("step", "optimizer steps done"))}
-
-    def publish(step: int, values: dict[str, float]) -> None:
-        gauges["step"].set(step, tags=tags)
-        for name, value in values.items():
-            gauges[name].set(value, tags=tags)
-
-    metrics = train(trial, rank, world_size, device, on_progress=publish)
-    metrics.update(process_started_at=process_started_at, train_fn_started_at=train_fn_started_at,
-                   pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id())
-    publish(metrics["steps"], {"loss": metrics["loss_last"], "samples_per_s": metrics["samples_per_s"],
-                               "peak_allocated_gib": metrics["peak_allocated_gib"]})
-    ray.train.report(metrics)

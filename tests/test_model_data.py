@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ray_zero.data import MNIST_MEAN, MNIST_STD, mnist_shard, synthetic_shard
-from ray_zero.model import PRESETS, build_model
+from ray_zero.model import build_model
+from ray_zero.sizes import PRESETS
 
 
 def test_seed_model_is_the_tutorials_274698_parameters():

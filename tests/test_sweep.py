@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -149,3 +150,30 @@ def test_sweep_start_creates_the_coordinator_ray_train_waits_for(ray_instance, m
     _start_autoscaling_coordinator()
     with pytest.raises(ValueError):
         ray.get_actor(**name)
+
+
+def test_trial_driver_and_train_controller_start_without_torch(tmp_path):
+    """Cut 7 (bench/README.md): Tune's trial driver imports `ray_zero.trial`, Ray Train's controller
+    unpickles the backend config and the callbacks; neither trains, so neither imports torch to start."""
+    pickled = tmp_path / "controller_gets.pkl"
+    driver = f"""
+import sys, cloudpickle
+import ray_zero.trial
+from ray_zero.torch_backend import ImportTorchBackendEarly, LazyTorchConfig
+config = LazyTorchConfig(backend="gloo")
+# What DataParallelTrainer builds in the driver and sends to the controller (and the workers).
+sent = (config, config.backend_cls(), config.train_func_context, ImportTorchBackendEarly())
+open({str(pickled)!r}, "wb").write(cloudpickle.dumps(sent))
+assert "torch" not in sys.modules, "the trial driver imported torch"
+"""
+    controller = f"""
+import sys, cloudpickle
+config, backend, context, early = cloudpickle.loads(open({str(pickled)!r}, "rb").read())
+assert "torch" not in sys.modules, "unpickling the trial's config imported torch"
+assert backend.share_cuda_visible_devices and config.to_dict()["backend"] == "gloo"
+from ray.train.torch.config import TorchConfigContextManager, _TorchBackend  # what they stand for
+assert _TorchBackend.share_cuda_visible_devices == backend.share_cuda_visible_devices
+"""
+    for code in (driver, controller):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]

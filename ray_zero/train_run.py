@@ -1,0 +1,80 @@
+"""What a trial hands to Ray Train: each worker's entry point, and the controller's callback that
+forwards every rank's report to the trial.
+
+No torch at import: Ray Train's controller unpickles this module, and Tune's trial driver imports it,
+neither of which trains (bench/README.md, cut 7); the entry point imports torch on the worker.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import psutil
+from ray.train import UserCallback
+from ray.util.queue import Queue
+
+
+def one_line_reason(error: BaseException) -> str:
+    """The informative part of a (possibly wrapped, multi-line) worker error, on one line."""
+    lines = [line.strip() for line in (str(error).strip() or type(error).__name__).splitlines()]
+    lines = [line for line in lines if line and not line.startswith(
+        ("Training failed due to worker errors", "Traceback", "[Rank"))]
+    reason = lines[0] if lines else type(error).__name__
+    died = next((line for line in lines if "worker process has died" in line or "killed" in line.lower()), None)
+    if died and died != reason:
+        reason = f"{reason} {died}"
+    return reason[:400]
+
+
+class AllRanksCallback(UserCallback):
+    """Runs on the Train controller: puts every rank's report (a list in rank order), and each failed
+    attempt of the worker group, on the trial's queue."""
+
+    def __init__(self, queue: Queue):
+        self.queue = queue
+
+    def after_report(self, run_context, metrics, checkpoint):
+        self.queue.put(("report", list(metrics)))
+
+    def after_exception(self, run_context, worker_exceptions):
+        self.queue.put(("failure", {rank: one_line_reason(error) for rank, error in worker_exceptions.items()}))
+
+
+def train_loop_per_worker(trial: dict[str, Any]) -> None:
+    """Ray Train entry point: run `train` on this worker, publish live gauges, report once."""
+    train_fn_started_at = time.time()  # Ray's worker set-up (actor, train context, process group) is done
+    import ray
+    import ray.train
+    import ray.train.torch
+    import torch
+    from ray.util.metrics import Gauge
+
+    from ray_zero.worker import train
+
+    process_started_at = psutil.Process().create_time()
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    device = ray.train.torch.get_device() if trial["use_gpu"] else torch.device("cpu")
+    point = trial["point"]
+    tags = {"trial": trial.get("trial_name", ""), "stage": str(point["stage"]),
+            "micro_batch_size": str(point["micro_batch_size"]), "num_workers": str(point["num_workers"]),
+            "rank": str(rank)}
+    # Ray prefixes application metrics with "ray_": Prometheus and the dashboard show ray_zero_loss etc.
+    gauges = {name: Gauge(f"zero_{name}", description=text, tag_keys=tuple(tags))
+              for name, text in (("loss", "training loss of the latest step"),
+                                 ("samples_per_s", "this rank's samples per second, recent steps"),
+                                 ("peak_allocated_gib", "this rank's peak memory so far, GiB"),
+                                 ("step", "optimizer steps done"))}
+
+    def publish(step: int, values: dict[str, float]) -> None:
+        gauges["step"].set(step, tags=tags)
+        for name, value in values.items():
+            gauges[name].set(value, tags=tags)
+
+    metrics = train(trial, rank, world_size, device, on_progress=publish)
+    metrics.update(process_started_at=process_started_at, train_fn_started_at=train_fn_started_at,
+                   pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id())
+    publish(metrics["steps"], {"loss": metrics["loss_last"], "samples_per_s": metrics["samples_per_s"],
+                               "peak_allocated_gib": metrics["peak_allocated_gib"]})
+    ray.train.report(metrics)
