@@ -4,6 +4,7 @@ All functions take plain torch objects; none imports Ray. Keys carry their unit 
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any, Iterable
@@ -208,19 +209,40 @@ def model_state_bytes(module: torch.nn.Module, optimizer: Any) -> dict[str, int]
 # ----------------------------------------------------------------------------------- timing
 
 class StepTimer:
-    """Wall time of the timed steps only, read after the device has finished its queued work."""
+    """Wall time of the timed steps only, read after the device has finished its queued work; beside it,
+    the CPU time of the thread that trains and the time Python's garbage collector ran (any thread).
+
+    For a host-bound step these say where the time went: a training thread on the CPU for less than the
+    wall time was waiting (for the device, the GIL or a core); a longer collector pauses every thread.
+    """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.started: float | None = None
         self.elapsed_s = 0.0
+        self.thread_cpu_s = 0.0
+        self.gc_s = 0.0
+        self._thread_cpu_started = 0.0
+        self._gc_began: float | None = None
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_began = time.perf_counter()
+        elif self._gc_began is not None:
+            self.gc_s += time.perf_counter() - self._gc_began
+            self._gc_began = None
 
     def start(self) -> None:
         synchronize(self.device)
+        gc.callbacks.append(self._on_gc)
+        self._thread_cpu_started = time.thread_time()
         self.started = time.perf_counter()
 
     def stop(self) -> float:
         synchronize(self.device)
         if self.started is not None:
             self.elapsed_s = time.perf_counter() - self.started
+            self.thread_cpu_s = time.thread_time() - self._thread_cpu_started
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         return self.elapsed_s

@@ -23,8 +23,8 @@ from ray_zero.config import Experiment
 from ray_zero.data import mnist_shard, synthetic_shard
 from ray_zero.ds_config import build_ds_config
 from ray_zero.metrics import MemoryProbe, StepTimer, model_state_bytes, peak_tflops, synchronize
-from ray_zero.sizes import PRESETS
 from ray_zero.model import build_model
+from ray_zero.sizes import PRESETS
 
 ProgressFn = Callable[[int, dict[str, float]], None]
 
@@ -256,6 +256,8 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         "steps": total_steps,
         "timed_steps": timed_steps,
         "timed_s": timed_s,
+        "timed_thread_cpu_s": timer.thread_cpu_s,  # the training thread's CPU time in the timed steps
+        "timed_gc_s": timer.gc_s,  # Python's garbage collector in the timed steps
         "model_build_s": marks["model_built_at"] - marks["train_started_at"],
         "data_load_s": marks["data_loaded_at"] - marks["model_built_at"],
         "initialize_s": marks["initialized_at"] - marks["data_loaded_at"],

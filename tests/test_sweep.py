@@ -83,6 +83,9 @@ def test_per_rank_file_has_every_rank_and_memory_is_max_over_ranks(quick_sweep):
         assert 0.5 < row.window_samples_per_s_median / row.samples_per_s < 2
     # Ray starts its workers at niceness 15; the ranks train at worker_niceness (default 0), like torchrun's.
     assert (ranks["niceness"] == 0).all()
+    # Where the timed steps' time went: the training thread's CPU time and Python's collector, within it.
+    assert ((ranks["timed_thread_cpu_s"] > 0) & (ranks["timed_thread_cpu_s"] <= ranks["timed_s"] * 1.05 + 0.01)).all()
+    assert ((ranks["timed_gc_s"] >= 0) & (ranks["timed_gc_s"] < ranks["timed_s"])).all()
 
 
 def test_results_markdown_provenance_and_plots(quick_sweep):
