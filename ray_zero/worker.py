@@ -110,6 +110,11 @@ def train(
     experiment = Experiment.model_validate(trial["experiment"])
     point = trial["point"]
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_ops_dir())
+    if device.type == "cpu":
+        # `import deepspeed` sets PYTORCH_NVML_BASED_CUDA_CHECK=1; without a GPU, torch's optimizers then try
+        # to load NVML at every step (torch.cuda.is_available() in Optimizer.step): 1-3 % of a host-bound
+        # step, more in a Ray worker (bench/results/host-bound-cpu-2core). The CUDA runtime says none too.
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "0"
     probe = MemoryProbe(device)
     progress = {"phase": "start"}  # where the rank is, for the out-of-memory message
     try:
@@ -280,6 +285,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         "data_source": shard.source,
         "niceness": os.nice(0),  # the scheduler priority this rank trained at (Ray's workers: 15 by default)
         "jit_ops_dir": os.environ["TORCH_EXTENSIONS_DIR"],  # where DeepSpeed's JIT ops were built or found
+        "nvml_cuda_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1",  # torch asks NVML for GPUs
     }
     result.update({f"memory_{k}_gib": v for k, v in timeline.items()})
     result.update(marks)
