@@ -21,7 +21,7 @@ from ray.train.v2._internal.util import TrainingFramework
 _RAY_TORCH_CONFIG = "ray.train.torch.config"  # Ray Train's torch backend; imports torch
 
 
-class _TorchBackend(Backend):
+class _LazyTorchBackend(Backend):
     """Ray Train's torch backend, imported at its first use."""
 
     share_cuda_visible_devices = True  # as Ray Train's: ranks on a node see each other's GPUs (NCCL P2P)
@@ -71,7 +71,7 @@ class LazyTorchConfig(BackendConfig):
 
     @property
     def backend_cls(self) -> type[Backend]:
-        return _TorchBackend
+        return _LazyTorchBackend
 
     @property
     def train_func_context(self) -> type:
