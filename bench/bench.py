@@ -79,6 +79,23 @@ def _slowest_rank_marks(per_rank: list[dict]) -> dict[str, float]:
     return {mark: max(r[mark] for r in per_rank) for mark in RANK_MARKS if all(mark in r for r in per_rank)}
 
 
+def thread_figures(per_rank: list[dict]) -> dict:
+    """Where the training threads' timed steps went, the rank that waited most: the share on a CPU,
+    the share runnable without a core (the rest it was blocked: on the GPU, the GIL), the times it
+    blocked; and torch's intra-op threads."""
+    def worst(shares):
+        shares = [s for s in shares if s is not None]
+        return max(shares) if shares else None
+
+    on_cpu = [r["timed_thread_cpu_s"] / r["timed_s"] for r in per_rank if r.get("timed_thread_cpu_s")]
+    return {"thread_on_cpu": min(on_cpu) if on_cpu else None,
+            "thread_run_queue": worst([r["timed_run_queue_s"] / r["timed_s"] for r in per_rank
+                                       if r.get("timed_run_queue_s") is not None]),
+            "thread_blocks_per_step": worst([r["timed_voluntary_switches"] / r["timed_steps"] for r in per_rank
+                                             if r.get("timed_voluntary_switches") is not None]),
+            "torch_threads": per_rank[0].get("torch_threads")}
+
+
 def _phases(marks: dict[str, float], phases) -> dict[str, float]:
     return {name: marks[end] - marks[start] for name, start, end in phases if start in marks and end in marks}
 
@@ -104,6 +121,7 @@ def run_bare(experiment, point, precision: str, use_gpu: bool, workdir: Path,
     per_rank = json.loads(out_path.read_text())["ranks"]
     marks = {**_slowest_rank_marks(per_rank), "launched_at": launched_at, "exited_at": exited_at}
     return {"trial": trial_name(point), **aggregate_ranks(per_rank), "wall_s": exited_at - launched_at,
+            "per_rank": per_rank,
             **{f"bare {k}": v for k, v in _phases(marks, BARE_PHASES).items()}}
 
 
@@ -280,6 +298,8 @@ def throughput(experiment, output: Path, repeats: int, side_by_side: bool = Fals
                             "bare_overhead_s": bare["wall_s"] - bare["timed_s"],
                             "ray_zero_first_trial_overhead_s": ray_side["tune_wall_s"] - ray_side["timed_s"],
                             "timed_overlap": timed_overlap((bare_start, bare_end), (ray_start, ray_end)),
+                            **{f"{side}_{k}": v for side, row in (("bare", bare), ("ray_zero", ray_side))
+                               for k, v in thread_figures(row["per_rank"]).items()},
                             "bare_window_median": bare["window_samples_per_s_median"],
                             "ray_zero_window_median": ray_side["window_samples_per_s_median"],
                             **{f"{which}_ratio": ray_side[which] / bare[which] for which in

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -208,12 +209,27 @@ def model_state_bytes(module: torch.nn.Module, optimizer: Any) -> dict[str, int]
 
 # ----------------------------------------------------------------------------------- timing
 
+def _thread_sched() -> tuple[float, int] | None:
+    """This thread's time runnable but waiting for a core (s), and how often it gave up its core itself
+    (blocked: on the GIL, the device, I/O), from Linux's /proc; None elsewhere."""
+    try:
+        run_queue_ns = int(Path("/proc/thread-self/schedstat").read_text().split()[1])
+        status = Path("/proc/thread-self/status").read_text()
+    except (OSError, IndexError, ValueError):
+        return None
+    voluntary = next(int(line.split()[1]) for line in status.splitlines()
+                     if line.startswith("voluntary_ctxt_switches"))
+    return run_queue_ns / 1e9, voluntary
+
+
 class StepTimer:
     """Wall time of the timed steps only, read after the device has finished its queued work; beside it,
-    the CPU time of the thread that trains and the time Python's garbage collector ran (any thread).
+    for the thread that trains: its CPU time, its time waiting for a core, how often it blocked; and the
+    time Python's garbage collector ran (any thread).
 
     For a host-bound step these say where the time went: a training thread on the CPU for less than the
-    wall time was waiting (for the device, the GIL or a core); a longer collector pauses every thread.
+    wall time was waiting, for a core (`run_queue_s`) or blocked (on the device or the GIL; each block is
+    a voluntary switch); a longer collector pauses every thread.
     """
 
     def __init__(self, device: torch.device):
@@ -222,7 +238,10 @@ class StepTimer:
         self.elapsed_s = 0.0
         self.thread_cpu_s = 0.0
         self.gc_s = 0.0
+        self.run_queue_s: float | None = None
+        self.voluntary_switches: int | None = None
         self._thread_cpu_started = 0.0
+        self._sched_started: tuple[float, int] | None = None
         self._gc_began: float | None = None
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -235,6 +254,7 @@ class StepTimer:
     def start(self) -> None:
         synchronize(self.device)
         gc.callbacks.append(self._on_gc)
+        self._sched_started = _thread_sched()
         self._thread_cpu_started = time.thread_time()
         self.started = time.perf_counter()
 
@@ -243,6 +263,10 @@ class StepTimer:
         if self.started is not None:
             self.elapsed_s = time.perf_counter() - self.started
             self.thread_cpu_s = time.thread_time() - self._thread_cpu_started
+            ended = _thread_sched()
+            if self._sched_started and ended:
+                self.run_queue_s = ended[0] - self._sched_started[0]
+                self.voluntary_switches = ended[1] - self._sched_started[1]
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         return self.elapsed_s

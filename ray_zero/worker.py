@@ -263,6 +263,8 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         "timed_s": timed_s,
         "timed_thread_cpu_s": timer.thread_cpu_s,  # the training thread's CPU time in the timed steps
         "timed_gc_s": timer.gc_s,  # Python's garbage collector in the timed steps
+        "timed_run_queue_s": timer.run_queue_s,  # the training thread runnable, waiting for a core
+        "timed_voluntary_switches": timer.voluntary_switches,  # times it blocked (GIL, device, I/O)
         "model_build_s": marks["model_built_at"] - marks["train_started_at"],
         "data_load_s": marks["data_loaded_at"] - marks["model_built_at"],
         "initialize_s": marks["initialized_at"] - marks["data_loaded_at"],
@@ -283,6 +285,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         "timed_peak_reserved_gib": timed_peak["reserved_gib"],
         "nvml_used_gib": probe.nvml_used_gib(),
         "data_source": shard.source,
+        "torch_threads": torch.get_num_threads(),  # intra-op threads (Ray sets OMP_NUM_THREADS to a rank's CPUs)
         "niceness": os.nice(0),  # the scheduler priority this rank trained at (Ray's workers: 15 by default)
         "jit_ops_dir": os.environ["TORCH_EXTENSIONS_DIR"],  # where DeepSpeed's JIT ops were built or found
         "nvml_cuda_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1",  # torch asks NVML for GPUs

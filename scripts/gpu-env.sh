@@ -3,7 +3,9 @@
 #   source scripts/gpu-env.sh
 SITE=${SITE:-/tmp/site}
 mkdir -p "$SITE"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl
-tar -xJf .whl/ray-*.tar.xz -C "$SITE"
+if [ ! -d "$SITE/ray" ]; then   # once per machine: scripts that call each other source this again
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl
+  tar -xJf .whl/ray-*.tar.xz -C "$SITE"
+fi
 export PYTHONPATH="$SITE:$PWD" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -25,3 +28,30 @@ def test_step_timer_tells_waiting_from_working_and_counts_the_garbage_collector(
     counted = timer.gc_s
     gc.collect()  # after stop() the collector is no longer watched
     assert timer.gc_s == counted
+
+
+def test_step_timer_tells_waiting_for_a_core_from_blocking():
+    """A training thread that shares its only core with a busy process waits in the run queue; one that
+    sleeps blocks (a voluntary switch each time)."""
+    original = os.sched_getaffinity(0)
+    cpu = min(original)
+    os.sched_setaffinity(0, {cpu})  # this thread only (Linux: pid 0 is the calling thread)
+    rival = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 3\nwhile time.time() < end: pass"],
+                             preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    try:
+        time.sleep(0.3)  # the rival is running
+        timer = StepTimer(torch.device("cpu"))
+        timer.start()
+        for _ in range(20):
+            time.sleep(0.001)
+        busy_until = time.thread_time() + 0.4
+        while time.thread_time() < busy_until:
+            pass
+        timer.stop()
+    finally:
+        rival.kill()
+        rival.wait()
+        os.sched_setaffinity(0, original)
+    assert timer.voluntary_switches >= 20
+    assert timer.run_queue_s > 0.2  # on one core with a busy rival, about as long as it ran
+    assert timer.thread_cpu_s + timer.run_queue_s <= timer.elapsed_s + 0.01
