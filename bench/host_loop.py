@@ -20,8 +20,11 @@ import time
 from pathlib import Path
 
 
-def loop_ms_per_step(steps: int) -> float:
+def loop_ms_per_step(steps: int) -> tuple[float, float]:
+    """ms per step, and how often per step the loop's thread blocked (on the GIL: nothing else waits)."""
     import torch
+
+    from ray_zero.metrics import thread_scheduling
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -30,15 +33,16 @@ def loop_ms_per_step(steps: int) -> float:
     x = torch.randn(2, 64)
     for step in range(200 + steps):  # 200 warm-up steps
         if step == 200:
-            started = time.perf_counter()
+            started, scheduling = time.perf_counter(), thread_scheduling()
         model(x).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
-    return 1000 * (time.perf_counter() - started) / steps
+    ms_per_step = 1000 * (time.perf_counter() - started) / steps
+    return ms_per_step, (thread_scheduling()[1] - scheduling[1]) / steps if scheduling else float("nan")
 
 
-def in_thread(steps: int) -> float:
-    out: list[float] = []
+def in_thread(steps: int) -> tuple[float, float]:
+    out: list[tuple[float, float]] = []
     thread = threading.Thread(target=lambda: out.append(loop_ms_per_step(steps)))
     thread.start()
     thread.join()
@@ -67,25 +71,61 @@ def main() -> None:
 
     @ray.remote(num_cpus=1)
     class Looper:
-        def run(self, threaded: bool, steps: int) -> float:
+        def __init__(self):
+            self.out: list[tuple[float, float]] = []
+            self.thread: threading.Thread | None = None
+
+        def run(self, threaded: bool, steps: int) -> tuple[float, float]:
             import deepspeed  # noqa: F401
             import ray.train.torch  # noqa: F401
             import ray.tune  # noqa: F401
             from host_loop import in_thread, loop_ms_per_step
             return in_thread(steps) if threaded else loop_ms_per_step(steps)
 
+        def start(self, steps: int, hold: bool) -> None:
+            """As Ray Train runs a training function: in a thread this task starts, then returns, so that
+            the actor's main thread goes back to Ray's task loop while the loop runs."""
+            from host_loop import loop_ms_per_step
+
+            def target():
+                if hold:
+                    from ray_zero.main_thread import HoldMainThread
+                    with HoldMainThread():
+                        self.out.append(loop_ms_per_step(steps))
+                else:
+                    self.out.append(loop_ms_per_step(steps))
+
+            self.out = []
+            self.thread = threading.Thread(target=target)
+            self.thread.start()
+
+        def poll(self):
+            return self.out[0] if self.out else None
+
+    def started_by_a_task(hold: bool) -> tuple[float, float]:
+        ray.get(looper.start.remote(args.steps, hold))
+        while (result := ray.get(looper.poll.remote())) is None:
+            time.sleep(0.25)  # ray_zero's poll interval for Ray Train's controller
+        return result
+
     looper = Looper.remote()
     ways = {"plain process, main thread": lambda: loop_ms_per_step(args.steps),
             "plain process, second thread": lambda: in_thread(args.steps),
             "Ray actor, main thread": lambda: ray.get(looper.run.remote(False, args.steps)),
-            "Ray actor, second thread": lambda: ray.get(looper.run.remote(True, args.steps))}
+            "Ray actor, second thread": lambda: ray.get(looper.run.remote(True, args.steps)),
+            "Ray actor, thread of a task that returned": lambda: started_by_a_task(False),
+            "the same, main thread held": lambda: started_by_a_task(True)}
     times: dict[str, list[float]] = {way: [] for way in ways}
+    blocks: dict[str, list[float]] = {way: [] for way in ways}
     for run in range(args.runs):  # the ways alternate, so that a drift of the machine hits all alike
         for way, measure in ways.items():
-            times[way].append(measure())
-            print(f"run {run + 1}, {way}: {times[way][-1]:.3f} ms/step", flush=True)
+            ms, blocked = measure()
+            times[way].append(ms)
+            blocks[way].append(blocked)
+            print(f"run {run + 1}, {way}: {ms:.3f} ms/step, blocked {blocked:.3f} times a step", flush=True)
     for way, values in times.items():
-        print(f"median, {way}: {statistics.median(values):.3f} ms/step")
+        print(f"median, {way}: {statistics.median(values):.3f} ms/step, "
+              f"blocked {statistics.median(blocks[way]):.3f} times a step")
     ray.shutdown()
 
 

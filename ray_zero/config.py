@@ -151,6 +151,10 @@ class Experiment(_Strict):
     0, and so do these by default (one difference between the launchers less; no throughput change was
     measured either way, bench/README.md). 15 gives Ray's default back; the driver and controller stay
     at Ray's setting."""
+    hold_main_thread: bool = True
+    """Keep each rank's main thread asleep while its training thread runs (ray_zero/main_thread.py): Ray's
+    task loop there otherwise wakes every 10 ms and takes the GIL from a host-bound training step.
+    false leaves Ray Train's rank as it is."""
     live_metrics_every: int = Field(default=5, gt=0)
     """Update the dashboard gauges every this many steps."""
     fault: Optional[Fault] = None

@@ -209,7 +209,7 @@ def model_state_bytes(module: torch.nn.Module, optimizer: Any) -> dict[str, int]
 
 # ----------------------------------------------------------------------------------- timing
 
-def _thread_sched() -> tuple[float, int] | None:
+def thread_scheduling() -> tuple[float, int] | None:
     """This thread's time runnable but waiting for a core (s), and how often it gave up its core itself
     (blocked: on the GIL, the device, I/O), from Linux's /proc; None elsewhere."""
     try:
@@ -254,7 +254,7 @@ class StepTimer:
     def start(self) -> None:
         synchronize(self.device)
         gc.callbacks.append(self._on_gc)
-        self._sched_started = _thread_sched()
+        self._sched_started = thread_scheduling()
         self._thread_cpu_started = time.thread_time()
         self.started = time.perf_counter()
 
@@ -263,7 +263,7 @@ class StepTimer:
         if self.started is not None:
             self.elapsed_s = time.perf_counter() - self.started
             self.thread_cpu_s = time.thread_time() - self._thread_cpu_started
-            ended = _thread_sched()
+            ended = thread_scheduling()
             if self._sched_started and ended:
                 self.run_queue_s = ended[0] - self._sched_started[0]
                 self.voluntary_switches = ended[1] - self._sched_started[1]

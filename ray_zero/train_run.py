@@ -6,6 +6,7 @@ neither of which trains (bench/README.md, cut 7); the entry point imports torch 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any
@@ -50,6 +51,7 @@ def train_loop_per_worker(trial: dict[str, Any]) -> None:
     import torch
     from ray.util.metrics import Gauge
 
+    from ray_zero.main_thread import HoldMainThread
     from ray_zero.worker import train
 
     process_started_at = psutil.Process().create_time()
@@ -72,9 +74,12 @@ def train_loop_per_worker(trial: dict[str, Any]) -> None:
         for name, value in values.items():
             gauges[name].set(value, tags=tags)
 
-    metrics = train(trial, rank, world_size, device, on_progress=publish)
+    hold = HoldMainThread() if trial["experiment"]["hold_main_thread"] else None
+    with hold or contextlib.nullcontext():
+        metrics = train(trial, rank, world_size, device, on_progress=publish)
     metrics.update(process_started_at=process_started_at, train_fn_started_at=train_fn_started_at,
-                   pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id())
+                   pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(),
+                   main_thread_held=bool(hold and hold.active))
     publish(metrics["steps"], {"loss": metrics["loss_last"], "samples_per_s": metrics["samples_per_s"],
                                "peak_allocated_gib": metrics["peak_allocated_gib"]})
     ray.train.report(metrics)

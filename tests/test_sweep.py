@@ -89,6 +89,8 @@ def test_per_rank_file_has_every_rank_and_memory_is_max_over_ranks(quick_sweep):
     # ... its time waiting for a core (Linux), and the times it blocked; on CPU a rank has 1 torch thread.
     assert ((ranks["timed_run_queue_s"] >= 0) & (ranks["timed_run_queue_s"] < ranks["timed_s"])).all()
     assert (ranks["timed_voluntary_switches"] >= 0).all() and (ranks["torch_threads"] == 1).all()
+    # Each rank's main thread slept while it trained (ray_zero/main_thread.py).
+    assert ranks["main_thread_held"].all()
     # DeepSpeed turns torch's NVML-based GPU check on; CPU ranks turn it off (it loads NVML at every step).
     assert not ranks["nvml_cuda_check"].any()
 

@@ -1,0 +1,70 @@
+"""Keep a Ray actor's main thread asleep while a thread of that actor trains.
+
+Ray Train runs the training function in a thread of its worker actor, and the actor's main thread goes
+back to Ray's task loop, which wakes every 10 ms (Ray's `CoreWorker.CheckSignal`, fixed in C++) and takes
+the GIL each time. A host-bound step releases the GIL at every torch call; about as often as the main
+thread wakes, the training thread finds the GIL taken when it returns, and waits for the main thread to
+be scheduled and to give it back (bench/README.md: "The 10 ms signal check").
+
+Held, the main thread runs one actor task after another (`__ray_call__`, Ray's way to run a function on
+an actor), each sleeping without the GIL until training ends or `hold_s` passes; between two of them it
+runs whatever else was queued (Ray Train's status polls, a shutdown) and checks signals once. Ray Train
+waits for a poll that is held back (up to 10 minutes before it calls a rank lost), so a report or a
+shutdown waits at most `hold_s` more, and the end of training not at all. Measured on a 2-core CPU
+(bench/host_loop.py): a host-bound loop in such a thread blocked 74 times a second, 11 with 1 s holds,
+51 with 0.2 s holds (each hold is an actor task, and taking one takes the GIL too).
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+
+_TRAINING_DONE: dict[str, threading.Event] = {}  # per hold: set when training ends
+
+
+def _sleep_on_main_thread(actor, key: str, hold_s: float) -> None:
+    done = _TRAINING_DONE.get(key)
+    if done is not None:
+        done.wait(hold_s)  # without the GIL; returns at once when training ends
+
+
+class HoldMainThread:
+    """`with HoldMainThread():` around training in a thread of a Ray actor; elsewhere it does nothing."""
+
+    def __init__(self, hold_s: float = 1.0):
+        self.hold_s = hold_s
+        self.active = False  # whether it holds: only in a thread of a Ray actor
+        self._key = uuid.uuid4().hex
+        self._holder: threading.Thread | None = None
+
+    def __enter__(self) -> "HoldMainThread":
+        import ray
+
+        if not ray.is_initialized() or threading.current_thread() is threading.main_thread():
+            return self
+        context = ray.get_runtime_context()
+        if context.get_actor_id() is None:
+            return self
+        actor = context.current_actor
+        _TRAINING_DONE[self._key] = threading.Event()
+        self._holder = threading.Thread(target=self._hold, args=(actor,), name="HoldMainThread", daemon=True)
+        self._holder.start()
+        self.active = True
+        return self
+
+    def _hold(self, actor) -> None:
+        import ray
+
+        done = _TRAINING_DONE[self._key]
+        while not done.is_set():
+            try:
+                ray.get(actor.__ray_call__.remote(_sleep_on_main_thread, self._key, self.hold_s))
+            except Exception:  # the actor is going away: nothing left to hold
+                return
+
+    def __exit__(self, *exc) -> None:
+        done = _TRAINING_DONE.pop(self._key, None)
+        if done is not None:
+            done.set()
+        if self._holder is not None:
+            self._holder.join(timeout=5)
