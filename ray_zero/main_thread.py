@@ -7,25 +7,35 @@ thread wakes, the training thread finds the GIL taken when it returns, and waits
 be scheduled and to give it back (bench/README.md: "The 10 ms signal check").
 
 Held, the main thread runs one actor task after another (`__ray_call__`, Ray's way to run a function on
-an actor), each sleeping without the GIL until training ends or `hold_s` passes; between two of them it
+an actor), each sleeping without the GIL until training ends or `hold_s` passes, then queueing the next
+behind whatever else arrived meanwhile; between two of them it
 runs whatever else was queued (Ray Train's status polls, a shutdown) and checks signals once. Ray Train
 waits for a poll that is held back (up to 10 minutes before it calls a rank lost), so a report or a
 shutdown waits at most `hold_s` more, and the end of training not at all. Measured on a 2-core CPU
-(bench/host_loop.py): a host-bound loop in such a thread blocked 74 times a second, 11 with 1 s holds,
-51 with 0.2 s holds (each hold is an actor task, and taking one takes the GIL too).
+(bench/host_loop.py): a host-bound loop in such a thread blocked about 74 times a second, 6-7 held
+(1 s holds; with 0.2 s holds, or a helper thread waiting on each hold, 51 and 11: each wake-up of another
+Python thread can take the GIL from it).
 """
 from __future__ import annotations
 
 import threading
 import uuid
+from typing import Any
 
-_TRAINING_DONE: dict[str, threading.Event] = {}  # per hold: set when training ends
+_HOLDS: dict[str, tuple[threading.Event, Any]] = {}  # per hold: (set when training ends, the actor's handle)
 
 
-def _sleep_on_main_thread(actor, key: str, hold_s: float) -> None:
-    done = _TRAINING_DONE.get(key)
-    if done is not None:
-        done.wait(hold_s)  # without the GIL; returns at once when training ends
+def _sleep_on_main_thread(instance, key: str, hold_s: float) -> None:
+    """An actor task: sleep until training ends or `hold_s` passes, then queue the next one."""
+    hold = _HOLDS.get(key)
+    if hold is None:
+        return
+    done, actor = hold
+    if not done.wait(hold_s):  # without the GIL; returns at once when training ends
+        try:  # behind whatever arrived meanwhile (Ray Train's polls)
+            actor.__ray_call__.remote(_sleep_on_main_thread, key, hold_s)
+        except Exception:  # the actor is going away: nothing left to hold
+            pass
 
 
 class HoldMainThread:
@@ -35,7 +45,6 @@ class HoldMainThread:
         self.hold_s = hold_s
         self.active = False  # whether it holds: only in a thread of a Ray actor
         self._key = uuid.uuid4().hex
-        self._holder: threading.Thread | None = None
 
     def __enter__(self) -> "HoldMainThread":
         import ray
@@ -46,25 +55,12 @@ class HoldMainThread:
         if context.get_actor_id() is None:
             return self
         actor = context.current_actor
-        _TRAINING_DONE[self._key] = threading.Event()
-        self._holder = threading.Thread(target=self._hold, args=(actor,), name="HoldMainThread", daemon=True)
-        self._holder.start()
+        _HOLDS[self._key] = (threading.Event(), actor)
+        actor.__ray_call__.remote(_sleep_on_main_thread, self._key, self.hold_s)
         self.active = True
         return self
 
-    def _hold(self, actor) -> None:
-        import ray
-
-        done = _TRAINING_DONE[self._key]
-        while not done.is_set():
-            try:
-                ray.get(actor.__ray_call__.remote(_sleep_on_main_thread, self._key, self.hold_s))
-            except Exception:  # the actor is going away: nothing left to hold
-                return
-
     def __exit__(self, *exc) -> None:
-        done = _TRAINING_DONE.pop(self._key, None)
-        if done is not None:
-            done.set()
-        if self._holder is not None:
-            self._holder.join(timeout=5)
+        hold = _HOLDS.pop(self._key, None)
+        if hold is not None:
+            hold[0].set()
