@@ -8,4 +8,8 @@ if [ ! -d "$SITE/ray" ]; then   # once per machine: scripts that call each other
   tar -xJf .whl/ray-*.tar.xz -C "$SITE"
 fi
 export PYTHONPATH="$SITE:$PWD" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
+# Every process compiled the machine's torch from source at start (py-spy, bench/README.md "Still open"):
+# Python found no cached bytecode it could use. Cache it in a writable folder, as a pip-installed torch has.
+export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
+unset PYTHONDONTWRITEBYTECODE
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
