@@ -5,7 +5,10 @@
 A small MLP (8 x Linear(64, 64) + GELU, batch 2, AdamW, one torch thread): its step is Python and
 dispatch, like the seed model's on a GPU. Ray, Ray Train, Ray Tune and DeepSpeed are imported in every
 case, so that only where the loop runs differs: a plain process's main thread, a second thread of it,
-a Ray actor's main thread, a thread of that actor. Prints each run's ms per step, then the medians.
+a Ray actor's main thread, a thread of that actor that the task waits for, and, as Ray Train runs a
+training function, a thread of a task that returned (the actor's main thread back in Ray's task loop),
+free or held (ray_zero/main_thread.py). Prints each run's ms per step and how often per step the loop's
+thread blocked, then the medians.
 `--cuda-check runtime` shows what DeepSpeed's NVML-based CUDA check costs such a step on a machine
 without a GPU (the Ray actor inherits the setting through the environment Ray gives its workers).
 """
