@@ -2,19 +2,18 @@
 
 Ray Train runs the training function in a thread of its worker actor, and the actor's main thread goes
 back to Ray's task loop, which wakes every 10 ms (Ray's `CoreWorker.CheckSignal`, fixed in C++) and takes
-the GIL each time. A host-bound step releases the GIL at every torch call; about as often as the main
-thread wakes, the training thread finds the GIL taken when it returns, and waits for the main thread to
-be scheduled and to give it back (bench/README.md: "The 10 ms signal check").
+the GIL each time. A host-bound step releases the GIL at every torch call, so the training thread often
+finds the GIL taken when it returns, and waits for the main thread to be scheduled and to give it back
+(bench/README.md: "The 10 ms signal check").
 
 Held, the main thread runs one actor task after another (`__ray_call__`, Ray's way to run a function on
-an actor), each sleeping without the GIL until training ends or `hold_s` passes, then queueing the next
-behind whatever else arrived meanwhile; between two of them it
-runs whatever else was queued (Ray Train's status polls, a shutdown) and checks signals once. Ray Train
-waits for a poll that is held back (up to 10 minutes before it calls a rank lost), so a report or a
-shutdown waits at most `hold_s` more, and the end of training not at all. Measured on a 2-core CPU
-(bench/host_loop.py): a host-bound loop in such a thread blocked about 74 times a second, 6-7 held
-(1 s holds; with 0.2 s holds, or a helper thread waiting on each hold, 51 and 11: each wake-up of another
-Python thread can take the GIL from it).
+an actor), each sleeping without the GIL until training ends or `hold_s` passes, then queueing the next;
+between two of them the main thread runs what arrived meanwhile (Ray Train's status poll, a shutdown) and
+checks signals once. Ray Train waits for a poll that is held back (up to 10 minutes before it calls a
+rank lost), so a report or a shutdown waits at most `hold_s` more, and the end of training not at all.
+Measured on a 2-core CPU (bench/host_loop.py): a host-bound loop in such a thread blocked about 74 times a
+second, 6-7 held (1 s holds; with 0.2 s holds, or a helper thread waiting on each hold, 51 and 11: each
+wake-up of another Python thread can take the GIL from it).
 """
 from __future__ import annotations
 
@@ -26,7 +25,8 @@ _HOLDS: dict[str, tuple[threading.Event, Any]] = {}  # per hold: (set when train
 
 
 def _sleep_on_main_thread(instance, key: str, hold_s: float) -> None:
-    """An actor task: sleep until training ends or `hold_s` passes, then queue the next one."""
+    """An actor task (`instance`: the actor's object, which __ray_call__ passes first): sleep until
+    training ends or `hold_s` passes, then queue the next one."""
     hold = _HOLDS.get(key)
     if hold is None:
         return

@@ -54,8 +54,11 @@ def test_held_main_thread_stops_waking_and_still_serves_calls(ray_instance):
         ray.kill(rank)
         return result, polls
 
-    (active_free, wakes_free), _ = run(hold=False)
-    (active_held, wakes_held), polls = run(hold=True)
+    try:
+        (active_free, wakes_free), _ = run(hold=False)
+        (active_held, wakes_held), polls = run(hold=True)
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     assert not active_free and active_held
     assert wakes_free > 60  # Ray's 10 ms signal check
     assert wakes_held < 30  # one hold a second, the polls, the holds' own traffic
