@@ -47,22 +47,27 @@ def test_held_main_thread_stops_waking_and_still_serves_calls(ray_instance):
     def run(hold: bool):
         rank = Rank.remote()
         ray.get(rank.start.remote(hold))
-        polls = 0
-        while (result := ray.get(rank.poll.remote())) is None:  # calls still reach a held main thread
-            polls += 1
+        waits = []  # how long each poll took to be answered
+        while True:
+            asked = time.monotonic()
+            result = ray.get(rank.poll.remote())
+            waits.append(time.monotonic() - asked)
+            if result is not None:
+                break
             time.sleep(0.25)
         ray.kill(rank)
-        return result, polls
+        return result, waits
 
     try:
         (active_free, wakes_free), _ = run(hold=False)
-        (active_held, wakes_held), polls = run(hold=True)
+        (active_held, wakes_held), waits = run(hold=True)
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     assert not active_free and active_held
     assert wakes_free > 60  # Ray's 10 ms signal check
     assert wakes_held < 30  # one hold a second, the polls, the holds' own traffic
-    assert polls >= 3  # answered while held (each waits at most the 1 s hold)
+    # Calls still reach a held main thread: answered while the work ran, each within the 1 s hold.
+    assert len(waits) >= 2 and max(waits) < 2.0
 
 
 def test_hold_does_nothing_outside_a_ray_actor():
