@@ -216,12 +216,14 @@ def model_state_bytes(module: torch.nn.Module, optimizer: Any) -> dict[str, int]
 
 # ----------------------------------------------------------------------------------- timing
 
-def thread_scheduling() -> tuple[float, int] | None:
-    """This thread's time runnable but waiting for a core (s), and how often it gave up its core itself
-    (blocked: on the GIL, the device, I/O), from Linux's /proc; None elsewhere."""
+def thread_scheduling(tid: int | None = None, pid: int | None = None) -> tuple[float, int] | None:
+    """A thread's time runnable but waiting for a core (s), and how often it gave up its core itself
+    (blocked: on the GIL, the device, I/O), from Linux's /proc; None elsewhere. The calling thread, or
+    thread `tid` of this process (or of process `pid`)."""
+    folder = Path("/proc/thread-self") if tid is None else Path(f"/proc/{pid or 'self'}/task/{tid}")
     try:
-        run_queue_ns = int(Path("/proc/thread-self/schedstat").read_text().split()[1])
-        status = Path("/proc/thread-self/status").read_text()
+        run_queue_ns = int((folder / "schedstat").read_text().split()[1])
+        status = (folder / "status").read_text()
     except (OSError, IndexError, ValueError):
         return None
     voluntary = next(int(line.split()[1]) for line in status.splitlines()

@@ -6,19 +6,15 @@ import threading
 import time
 
 from ray_zero.main_thread import HoldMainThread
+from ray_zero.metrics import thread_scheduling
 
 
 def _main_thread_wakes_per_s(seconds: float) -> float:
     """Voluntary context switches of this process's main thread, per second, over `seconds`."""
-    status = f"/proc/self/task/{threading.main_thread().native_id}/status"
-
-    def switches() -> int:
-        with open(status) as file:
-            return next(int(line.split()[1]) for line in file if line.startswith("voluntary_ctxt_switches"))
-
-    before = switches()
+    main = threading.main_thread().native_id
+    before = thread_scheduling(main)[1]
     time.sleep(seconds)
-    return (switches() - before) / seconds
+    return (thread_scheduling(main)[1] - before) / seconds
 
 
 def test_held_main_thread_stops_waking_and_still_serves_calls(ray_instance):
