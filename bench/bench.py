@@ -82,7 +82,8 @@ def _slowest_rank_marks(per_rank: list[dict]) -> dict[str, float]:
 def thread_figures(per_rank: list[dict]) -> dict:
     """Where the training threads' timed steps went, the rank that waited most: the share on a CPU,
     the share runnable without a core (the rest it was blocked: on the GPU, the GIL), the times it
-    blocked; and torch's intra-op threads."""
+    blocked; its CPU time a step, the kernel's part of it and its minor page faults a step; and torch's
+    intra-op threads."""
     def worst(shares):
         shares = [s for s in shares if s is not None]
         return max(shares) if shares else None
@@ -93,6 +94,12 @@ def thread_figures(per_rank: list[dict]) -> dict:
                                        if r.get("timed_run_queue_s") is not None]),
             "thread_blocks_per_step": worst([r["timed_voluntary_switches"] / r["timed_steps"] for r in per_rank
                                              if r.get("timed_voluntary_switches") is not None]),
+            "thread_cpu_ms_per_step": worst([r["timed_thread_cpu_s"] / r["timed_steps"] * 1e3 for r in per_rank
+                                             if r.get("timed_thread_cpu_s")]),
+            "thread_kernel_share": worst([r["timed_thread_system_s"] / r["timed_thread_cpu_s"] for r in per_rank
+                                          if r.get("timed_thread_system_s") is not None and r.get("timed_thread_cpu_s")]),
+            "thread_faults_per_step": worst([r["timed_minor_faults"] / r["timed_steps"] for r in per_rank
+                                             if r.get("timed_minor_faults") is not None]),
             "torch_threads": per_rank[0].get("torch_threads")}
 
 

@@ -231,10 +231,21 @@ def thread_scheduling(tid: int | None = None, pid: int | None = None) -> tuple[f
     return run_queue_ns / 1e9, voluntary
 
 
+def thread_system_time_and_faults() -> tuple[float, int] | None:
+    """The calling thread's CPU time in the kernel (s) and its minor page faults, from Linux's /proc;
+    None elsewhere. The kernel's part of the thread's CPU time: system calls, faults (memory handed back
+    and touched again), the device driver's ioctls."""
+    try:
+        fields = Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[12]) / os.sysconf("SC_CLK_TCK"), int(fields[7])  # stime, minflt
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class StepTimer:
     """Wall time of the timed steps only, read after the device has finished its queued work; beside it,
-    for the thread that trains: its CPU time, its time waiting for a core, how often it blocked; and the
-    time Python's garbage collector ran (any thread).
+    for the thread that trains: its CPU time (and the kernel's part of it, and its minor page faults), its
+    time waiting for a core, how often it blocked; and the time Python's garbage collector ran (any thread).
 
     For a host-bound step these say where the time went: a training thread on the CPU for less than the
     wall time was waiting, for a core (`run_queue_s`) or blocked (on the device or the GIL; each block is
@@ -249,7 +260,10 @@ class StepTimer:
         self.gc_s = 0.0
         self.run_queue_s: float | None = None
         self.voluntary_switches: int | None = None
+        self.thread_system_s: float | None = None
+        self.minor_faults: int | None = None
         self._thread_cpu_started = 0.0
+        self._kernel_started: tuple[float, int] | None = None
         self._sched_started: tuple[float, int] | None = None
         self._gc_began: float | None = None
 
@@ -264,6 +278,7 @@ class StepTimer:
         synchronize(self.device)
         gc.callbacks.append(self._on_gc)
         self._sched_started = thread_scheduling()
+        self._kernel_started = thread_system_time_and_faults()
         self._thread_cpu_started = time.thread_time()
         self.started = time.perf_counter()
 
@@ -276,6 +291,10 @@ class StepTimer:
             if self._sched_started and ended:
                 self.run_queue_s = ended[0] - self._sched_started[0]
                 self.voluntary_switches = ended[1] - self._sched_started[1]
+            kernel_ended = thread_system_time_and_faults()
+            if self._kernel_started and kernel_ended:
+                self.thread_system_s = kernel_ended[0] - self._kernel_started[0]
+                self.minor_faults = kernel_ended[1] - self._kernel_started[1]
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         return self.elapsed_s

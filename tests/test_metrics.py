@@ -30,6 +30,18 @@ def test_step_timer_tells_waiting_from_working_and_counts_the_garbage_collector(
     assert timer.gc_s == counted
 
 
+def test_step_timer_counts_the_kernels_part_and_page_faults():
+    """Touching fresh memory faults each page in, in the kernel, on the training thread's clock."""
+    timer = StepTimer(torch.device("cpu"))
+    timer.start()
+    for _ in range(4):
+        fresh = bytearray(128 << 20)  # 128 MiB, zeroed: every page touched
+        del fresh
+    timer.stop()
+    assert timer.minor_faults >= 4 * (128 << 20) // (2 << 20)  # at least one fault per 2 MiB huge page
+    assert 0 < timer.thread_system_s <= timer.thread_cpu_s + 0.01
+
+
 def test_step_timer_tells_waiting_for_a_core_from_blocking():
     """A training thread that shares its only core with a busy process waits in the run queue; one that
     sleeps blocks (a voluntary switch each time)."""
