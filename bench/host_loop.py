@@ -9,6 +9,8 @@ a Ray actor's main thread, a thread of that actor that the task waits for, and, 
 training function, a thread of a task that returned (the actor's main thread back in Ray's task loop),
 free or held (ray_zero/main_thread.py). Prints each run's ms per step and how often per step the loop's
 thread blocked, then the medians.
+`--device cuda` runs the same loop on the GPU (the host launching kernels, as the seed model's step
+does there), and ms of the loop thread's CPU time per step beside it.
 `--cuda-check runtime` shows what DeepSpeed's NVML-based CUDA check costs such a step on a machine
 without a GPU (the Ray actor inherits the setting through the environment Ray gives its workers).
 """
@@ -23,30 +25,36 @@ import time
 from pathlib import Path
 
 
-def loop_ms_per_step(steps: int) -> tuple[float, float]:
-    """ms per step, and how often per step the loop's thread blocked (on the GIL: nothing else waits)."""
+def loop_ms_per_step(steps: int, device: str = "cpu") -> tuple[float, float, float]:
+    """ms per step, how often per step the loop's thread blocked (on the GIL; on a GPU also on the
+    device), and ms of the thread's CPU time per step."""
     import torch
 
-    from ray_zero.metrics import thread_scheduling
+    from ray_zero.metrics import synchronize, thread_scheduling
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(8)])
+    model.to(device)
     optimizer = torch.optim.AdamW(model.parameters())
-    x = torch.randn(2, 64)
+    x = torch.randn(2, 64, device=device)
     for step in range(200 + steps):  # 200 warm-up steps
         if step == 200:
-            started, scheduling = time.perf_counter(), thread_scheduling()
+            synchronize(torch.device(device))
+            started, cpu_started, scheduling = time.perf_counter(), time.thread_time(), thread_scheduling()
         model(x).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
+    synchronize(torch.device(device))
     ms_per_step = 1000 * (time.perf_counter() - started) / steps
-    return ms_per_step, (thread_scheduling()[1] - scheduling[1]) / steps if scheduling else float("nan")
+    cpu_ms_per_step = 1000 * (time.thread_time() - cpu_started) / steps
+    blocks = (thread_scheduling()[1] - scheduling[1]) / steps if scheduling else float("nan")
+    return ms_per_step, blocks, cpu_ms_per_step
 
 
-def in_thread(steps: int) -> tuple[float, float]:
-    out: list[tuple[float, float]] = []
-    thread = threading.Thread(target=lambda: out.append(loop_ms_per_step(steps)))
+def in_thread(steps: int, device: str = "cpu") -> tuple[float, float, float]:
+    out: list[tuple[float, float, float]] = []
+    thread = threading.Thread(target=lambda: out.append(loop_ms_per_step(steps, device)))
     thread.start()
     thread.join()
     return out[0]
@@ -60,6 +68,7 @@ def main() -> None:
                         help="how torch.cuda.is_available() answers: nvml is what `import deepspeed` sets "
                              "(PYTORCH_NVML_BASED_CUDA_CHECK=1, torch's optimizers ask it every step); runtime "
                              "sets it to 0 first")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     if args.cuda_check == "runtime":
         os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "0"  # DeepSpeed only sets it where it is unset
@@ -69,23 +78,24 @@ def main() -> None:
     import ray.train.torch  # noqa: F401
     import ray.tune  # noqa: F401
 
-    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    gpus = 1 if args.device == "cuda" else 0
+    ray.init(num_cpus=1, num_gpus=gpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-    @ray.remote(num_cpus=1)
+    @ray.remote(num_cpus=1, num_gpus=gpus)
     class Looper:
         def __init__(self):
-            self.out: list[tuple[float, float]] = []
+            self.out: list[tuple[float, float, float]] = []
             self.thread: threading.Thread | None = None
 
-        def run(self, threaded: bool, steps: int) -> tuple[float, float]:
+        def run(self, threaded: bool, steps: int, device: str) -> tuple[float, float, float]:
             import deepspeed  # noqa: F401
             import ray.train.torch  # noqa: F401
             import ray.tune  # noqa: F401
             from host_loop import in_thread, loop_ms_per_step
-            return in_thread(steps) if threaded else loop_ms_per_step(steps)
+            return in_thread(steps, device) if threaded else loop_ms_per_step(steps, device)
 
-        def start(self, steps: int, hold: bool) -> None:
+        def start(self, steps: int, hold: bool, device: str) -> None:
             """As Ray Train runs a training function: in a thread this task starts, then returns, so that
             the actor's main thread goes back to Ray's task loop while the loop runs."""
             from host_loop import loop_ms_per_step
@@ -94,9 +104,9 @@ def main() -> None:
                 if hold:
                     from ray_zero.main_thread import HoldMainThread
                     with HoldMainThread():
-                        self.out.append(loop_ms_per_step(steps))
+                        self.out.append(loop_ms_per_step(steps, device))
                 else:
-                    self.out.append(loop_ms_per_step(steps))
+                    self.out.append(loop_ms_per_step(steps, device))
 
             self.out = []
             self.thread = threading.Thread(target=target)
@@ -105,30 +115,33 @@ def main() -> None:
         def poll(self):
             return self.out[0] if self.out else None
 
-    def started_by_a_task(hold: bool) -> tuple[float, float]:
-        ray.get(looper.start.remote(args.steps, hold))
+    def started_by_a_task(hold: bool) -> tuple[float, float, float]:
+        ray.get(looper.start.remote(args.steps, hold, args.device))
         while (result := ray.get(looper.poll.remote())) is None:
             time.sleep(0.25)  # ray_zero's poll interval for Ray Train's controller
         return result
 
     looper = Looper.remote()
-    ways = {"plain process, main thread": lambda: loop_ms_per_step(args.steps),
-            "plain process, second thread": lambda: in_thread(args.steps),
-            "Ray actor, main thread": lambda: ray.get(looper.run.remote(False, args.steps)),
-            "Ray actor, second thread": lambda: ray.get(looper.run.remote(True, args.steps)),
+    ways = {"plain process, main thread": lambda: loop_ms_per_step(args.steps, args.device),
+            "plain process, second thread": lambda: in_thread(args.steps, args.device),
+            "Ray actor, main thread": lambda: ray.get(looper.run.remote(False, args.steps, args.device)),
+            "Ray actor, second thread": lambda: ray.get(looper.run.remote(True, args.steps, args.device)),
             "Ray actor, thread of a task that returned": lambda: started_by_a_task(False),
             "the same, main thread held": lambda: started_by_a_task(True)}
     times: dict[str, list[float]] = {way: [] for way in ways}
     blocks: dict[str, list[float]] = {way: [] for way in ways}
+    cpu: dict[str, list[float]] = {way: [] for way in ways}
     for run in range(args.runs):  # the ways alternate, so that a drift of the machine hits all alike
         for way, measure in ways.items():
-            ms, blocked = measure()
+            ms, blocked, cpu_ms = measure()
             times[way].append(ms)
             blocks[way].append(blocked)
-            print(f"run {run + 1}, {way}: {ms:.3f} ms/step, blocked {blocked:.3f} times a step", flush=True)
+            cpu[way].append(cpu_ms)
+            print(f"run {run + 1}, {way}: {ms:.3f} ms/step, blocked {blocked:.3f} times a step, "
+                  f"CPU {cpu_ms:.3f} ms/step", flush=True)
     for way, values in times.items():
         print(f"median, {way}: {statistics.median(values):.3f} ms/step, "
-              f"blocked {statistics.median(blocks[way]):.3f} times a step")
+              f"blocked {statistics.median(blocks[way]):.3f} times a step, CPU {statistics.median(cpu[way]):.3f} ms/step")
     ray.shutdown()
 
 
