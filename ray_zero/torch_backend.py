@@ -27,14 +27,15 @@ class _LazyTorchBackend(Backend):
     share_cuda_visible_devices = True  # as Ray Train's: ranks on a node see each other's GPUs (NCCL P2P)
 
     def __init__(self):
-        self._backend = None  # built in the controller, never pickled (the driver only constructs this)
+        # Built in the controller at first use, never pickled (the driver only constructs this).
+        self._ray: Optional[tuple[Backend, BackendConfig]] = None
 
     def _ray_backend(self, config: LazyTorchConfig) -> tuple[Backend, BackendConfig]:
-        ray_torch = importlib.import_module(_RAY_TORCH_CONFIG)
-        if self._backend is None:
-            self._backend = ray_torch._TorchBackend()
-        return self._backend, ray_torch.TorchConfig(backend=config.backend, init_method=config.init_method,
-                                                    timeout_s=config.timeout_s)
+        if self._ray is None:
+            ray_torch = importlib.import_module(_RAY_TORCH_CONFIG)
+            self._ray = ray_torch._TorchBackend(), ray_torch.TorchConfig(
+                backend=config.backend, init_method=config.init_method, timeout_s=config.timeout_s)
+        return self._ray
 
     def on_start(self, worker_group, backend_config: LazyTorchConfig) -> None:
         backend, config = self._ray_backend(backend_config)
