@@ -82,8 +82,9 @@ def _slowest_rank_marks(per_rank: list[dict]) -> dict[str, float]:
 def thread_figures(per_rank: list[dict]) -> dict:
     """Where the training threads' timed steps went, the rank that waited most: the share on a CPU,
     the share runnable without a core (the rest it was blocked: on the GPU, the GIL), the times it
-    blocked; its CPU time a step, the kernel's part of it and its minor page faults a step; and torch's
-    intra-op threads."""
+    blocked; its CPU time a step, the kernel's part of it and its minor page faults a step; the CPU time a
+    step of the rank's other threads, the busiest one's (on a GPU autograd's, which runs the backward
+    pass) and all; and torch's intra-op threads."""
     def worst(shares):
         shares = [s for s in shares if s is not None]
         return max(shares) if shares else None
@@ -100,6 +101,11 @@ def thread_figures(per_rank: list[dict]) -> dict:
                                           if r.get("timed_thread_system_s") is not None and r.get("timed_thread_cpu_s")]),
             "thread_faults_per_step": worst([r["timed_minor_faults"] / r["timed_steps"] for r in per_rank
                                              if r.get("timed_minor_faults") is not None]),
+            "busiest_other_thread_cpu_ms_per_step": worst([r["timed_busiest_other_thread_cpu_s"] / r["timed_steps"] * 1e3
+                                                           for r in per_rank
+                                                           if r.get("timed_busiest_other_thread_cpu_s") is not None]),
+            "other_threads_cpu_ms_per_step": worst([r["timed_other_threads_cpu_s"] / r["timed_steps"] * 1e3
+                                                    for r in per_rank if r.get("timed_other_threads_cpu_s") is not None]),
             "torch_threads": per_rank[0].get("torch_threads")}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable
@@ -242,10 +243,31 @@ def thread_system_time_and_faults() -> tuple[float, int] | None:
         return None
 
 
+def threads_cpu_s() -> dict[int, float] | None:
+    """CPU time (user and kernel, s) of each live thread of this process, by thread id, from Linux's /proc;
+    None elsewhere. For the threads beside the one that trains: autograd's device thread runs the backward
+    pass there (and DeepSpeed's gradient hooks), Ray's own threads run beside it in a Ray rank."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    result = {}
+    try:
+        tasks = list(Path("/proc/self/task").iterdir())
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the thread ended while this read the others
+        result[int(task.name)] = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    return result
+
+
 class StepTimer:
     """Wall time of the timed steps only, read after the device has finished its queued work; beside it,
     for the thread that trains: its CPU time (and the kernel's part of it, and its minor page faults), its
-    time waiting for a core, how often it blocked; and the time Python's garbage collector ran (any thread).
+    time waiting for a core, how often it blocked; the CPU time of the process's other threads, in all and
+    the busiest one's (threads that end before the timer stops are not counted); and the time Python's
+    garbage collector ran (any thread).
 
     For a host-bound step these say where the time went: a training thread on the CPU for less than the
     wall time was waiting, for a core (`run_queue_s`) or blocked (on the device or the GIL; each block is
@@ -262,6 +284,9 @@ class StepTimer:
         self.voluntary_switches: int | None = None
         self.thread_system_s: float | None = None
         self.minor_faults: int | None = None
+        self.other_threads_cpu_s: float | None = None
+        self.busiest_other_thread_cpu_s: float | None = None
+        self._threads_started: dict[int, float] | None = None
         self._thread_cpu_started = 0.0
         self._kernel_started: tuple[float, int] | None = None
         self._sched_started: tuple[float, int] | None = None
@@ -279,6 +304,7 @@ class StepTimer:
         gc.callbacks.append(self._on_gc)
         self._sched_started = thread_scheduling()
         self._kernel_started = thread_system_time_and_faults()
+        self._threads_started = threads_cpu_s()
         self._thread_cpu_started = time.thread_time()
         self.started = time.perf_counter()
 
@@ -295,6 +321,12 @@ class StepTimer:
             if self._kernel_started and kernel_ended:
                 self.thread_system_s = kernel_ended[0] - self._kernel_started[0]
                 self.minor_faults = kernel_ended[1] - self._kernel_started[1]
+            threads_ended = threads_cpu_s()
+            if self._threads_started is not None and threads_ended:
+                me = threading.get_native_id()
+                others = [cpu - self._threads_started.get(tid, 0.0) for tid, cpu in threads_ended.items() if tid != me]
+                self.other_threads_cpu_s = sum(others)
+                self.busiest_other_thread_cpu_s = max(others, default=0.0)
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         return self.elapsed_s

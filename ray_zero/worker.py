@@ -264,6 +264,8 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         "timed_thread_cpu_s": timer.thread_cpu_s,  # the training thread's CPU time in the timed steps
         "timed_thread_system_s": timer.thread_system_s,  # its part in the kernel (10 ms ticks)
         "timed_minor_faults": timer.minor_faults,  # the training thread's minor page faults
+        "timed_other_threads_cpu_s": timer.other_threads_cpu_s,  # this process's other threads' CPU time
+        "timed_busiest_other_thread_cpu_s": timer.busiest_other_thread_cpu_s,  # on GPUs: autograd's, mostly
         "timed_gc_s": timer.gc_s,  # Python's garbage collector in the timed steps
         "timed_run_queue_s": timer.run_queue_s,  # the training thread runnable, waiting for a core
         "timed_voluntary_switches": timer.voluntary_switches,  # times it blocked (GIL, device, I/O)

@@ -5,6 +5,7 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -40,6 +41,30 @@ def test_step_timer_counts_the_kernels_part_and_page_faults():
     timer.stop()
     assert timer.minor_faults >= 100  # 512 MiB touched: 256 faults even in 2 MiB huge pages, 131,072 in 4 KiB
     assert 0 < timer.thread_system_s <= timer.thread_cpu_s + 0.01
+
+
+def test_step_timer_counts_the_other_threads_cpu_apart_from_its_own():
+    """A busy thread beside the training thread (as autograd's device thread is on a GPU) is counted as
+    the busiest other thread, and not in the training thread's own CPU time."""
+    done, stop = threading.Event(), threading.Event()
+
+    def busy():
+        until = time.thread_time() + 0.5
+        while time.thread_time() < until:
+            pass
+        done.set()
+        stop.wait()  # alive until the timer stops: a thread that has ended is gone from /proc
+
+    timer = StepTimer(torch.device("cpu"))
+    timer.start()
+    helper = threading.Thread(target=busy)
+    helper.start()
+    done.wait()
+    timer.stop()
+    stop.set()
+    helper.join()
+    assert 0.4 <= timer.busiest_other_thread_cpu_s <= timer.other_threads_cpu_s
+    assert timer.thread_cpu_s < 0.2  # the training thread only waited
 
 
 def test_step_timer_tells_waiting_for_a_core_from_blocking():

@@ -87,6 +87,8 @@ def test_per_rank_file_has_every_rank_and_memory_is_max_over_ranks(quick_sweep):
     assert ((ranks["timed_thread_cpu_s"] > 0) & (ranks["timed_thread_cpu_s"] <= ranks["timed_s"] * 1.05 + 0.01)).all()
     assert ((ranks["timed_thread_system_s"] >= 0) & (ranks["timed_thread_system_s"] <= ranks["timed_thread_cpu_s"] + 0.02)).all()
     assert (ranks["timed_minor_faults"] >= 0).all()
+    assert ((ranks["timed_busiest_other_thread_cpu_s"] >= 0)
+            & (ranks["timed_busiest_other_thread_cpu_s"] <= ranks["timed_other_threads_cpu_s"])).all()
     assert ((ranks["timed_gc_s"] >= 0) & (ranks["timed_gc_s"] < ranks["timed_s"])).all()
     # ... its time waiting for a core (Linux), and the times it blocked; on CPU a rank has 1 torch thread.
     assert ((ranks["timed_run_queue_s"] >= 0) & (ranks["timed_run_queue_s"] < ranks["timed_s"])).all()
