@@ -85,27 +85,20 @@ def thread_figures(per_rank: list[dict]) -> dict:
     blocked; its CPU time a step, the kernel's part of it and its minor page faults a step; the CPU time a
     step of the rank's other threads, the busiest one's (on a GPU autograd's, which runs the backward
     pass) and all; and torch's intra-op threads."""
-    def worst(shares):
-        shares = [s for s in shares if s is not None]
+    def worst(numerator: str, denominator: str, scale: float = 1.0):
+        shares = [r[numerator] / r[denominator] * scale for r in per_rank
+                  if r.get(numerator) is not None and r.get(denominator)]
         return max(shares) if shares else None
 
     on_cpu = [r["timed_thread_cpu_s"] / r["timed_s"] for r in per_rank if r.get("timed_thread_cpu_s")]
     return {"thread_on_cpu": min(on_cpu) if on_cpu else None,
-            "thread_run_queue": worst([r["timed_run_queue_s"] / r["timed_s"] for r in per_rank
-                                       if r.get("timed_run_queue_s") is not None]),
-            "thread_blocks_per_step": worst([r["timed_voluntary_switches"] / r["timed_steps"] for r in per_rank
-                                             if r.get("timed_voluntary_switches") is not None]),
-            "thread_cpu_ms_per_step": worst([r["timed_thread_cpu_s"] / r["timed_steps"] * 1e3 for r in per_rank
-                                             if r.get("timed_thread_cpu_s")]),
-            "thread_kernel_share": worst([r["timed_thread_system_s"] / r["timed_thread_cpu_s"] for r in per_rank
-                                          if r.get("timed_thread_system_s") is not None and r.get("timed_thread_cpu_s")]),
-            "thread_faults_per_step": worst([r["timed_minor_faults"] / r["timed_steps"] for r in per_rank
-                                             if r.get("timed_minor_faults") is not None]),
-            "busiest_other_thread_cpu_ms_per_step": worst([r["timed_busiest_other_thread_cpu_s"] / r["timed_steps"] * 1e3
-                                                           for r in per_rank
-                                                           if r.get("timed_busiest_other_thread_cpu_s") is not None]),
-            "other_threads_cpu_ms_per_step": worst([r["timed_other_threads_cpu_s"] / r["timed_steps"] * 1e3
-                                                    for r in per_rank if r.get("timed_other_threads_cpu_s") is not None]),
+            "thread_run_queue": worst("timed_run_queue_s", "timed_s"),
+            "thread_blocks_per_step": worst("timed_voluntary_switches", "timed_steps"),
+            "thread_cpu_ms_per_step": worst("timed_thread_cpu_s", "timed_steps", 1e3),
+            "thread_kernel_share": worst("timed_thread_system_s", "timed_thread_cpu_s"),
+            "thread_faults_per_step": worst("timed_minor_faults", "timed_steps"),
+            "busiest_other_thread_cpu_ms_per_step": worst("timed_busiest_other_thread_cpu_s", "timed_steps", 1e3),
+            "other_threads_cpu_ms_per_step": worst("timed_other_threads_cpu_s", "timed_steps", 1e3),
             "torch_threads": per_rank[0].get("torch_threads")}
 
 

@@ -17,6 +17,7 @@ without a GPU (the Ray actor inherits the setting through the environment Ray gi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -27,10 +28,10 @@ from pathlib import Path
 
 def loop_ms_per_step(steps: int, device: str = "cpu") -> tuple[float, float, float]:
     """ms per step, how often per step the loop's thread blocked (on the GIL; on a GPU also on the
-    device), and ms of the thread's CPU time per step."""
+    device), and ms of the thread's CPU time per step: ray_zero's own step timer's figures."""
     import torch
 
-    from ray_zero.metrics import synchronize, thread_scheduling
+    from ray_zero.metrics import StepTimer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -38,18 +39,16 @@ def loop_ms_per_step(steps: int, device: str = "cpu") -> tuple[float, float, flo
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters())
     x = torch.randn(2, 64, device=device)
+    timer = StepTimer(torch.device(device))
     for step in range(200 + steps):  # 200 warm-up steps
         if step == 200:
-            synchronize(torch.device(device))
-            started, cpu_started, scheduling = time.perf_counter(), time.thread_time(), thread_scheduling()
+            timer.start()
         model(x).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
-    synchronize(torch.device(device))
-    ms_per_step = 1000 * (time.perf_counter() - started) / steps
-    cpu_ms_per_step = 1000 * (time.thread_time() - cpu_started) / steps
-    blocks = (thread_scheduling()[1] - scheduling[1]) / steps if scheduling else float("nan")
-    return ms_per_step, blocks, cpu_ms_per_step
+    elapsed_s = timer.stop()
+    blocks = timer.voluntary_switches / steps if timer.voluntary_switches is not None else float("nan")
+    return 1000 * elapsed_s / steps, blocks, 1000 * timer.thread_cpu_s / steps
 
 
 def in_thread(steps: int, device: str = "cpu") -> tuple[float, float, float]:
@@ -100,12 +99,10 @@ def main() -> None:
             the actor's main thread goes back to Ray's task loop while the loop runs."""
             from host_loop import loop_ms_per_step
 
+            from ray_zero.main_thread import HoldMainThread
+
             def target():
-                if hold:
-                    from ray_zero.main_thread import HoldMainThread
-                    with HoldMainThread():
-                        self.out.append(loop_ms_per_step(steps, device))
-                else:
+                with HoldMainThread() if hold else contextlib.nullcontext():
                     self.out.append(loop_ms_per_step(steps, device))
 
             self.out = []

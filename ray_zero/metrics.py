@@ -232,13 +232,19 @@ def thread_scheduling(tid: int | None = None, pid: int | None = None) -> tuple[f
     return run_queue_ns / 1e9, voluntary
 
 
+def _stat_fields(thread: Path) -> list[str]:
+    """A thread's /proc stat fields after its name (which may hold spaces and parentheses): [7] minor
+    faults, [11] user and [12] kernel CPU time, in clock ticks."""
+    return (thread / "stat").read_text().rsplit(")", 1)[1].split()
+
+
 def thread_system_time_and_faults() -> tuple[float, int] | None:
     """The calling thread's CPU time in the kernel (s) and its minor page faults, from Linux's /proc;
     None elsewhere. The kernel's part of the thread's CPU time: system calls, faults (memory handed back
     and touched again), the device driver's ioctls."""
     try:
-        fields = Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[12]) / os.sysconf("SC_CLK_TCK"), int(fields[7])  # stime, minflt
+        fields = _stat_fields(Path("/proc/thread-self"))
+        return int(fields[12]) / os.sysconf("SC_CLK_TCK"), int(fields[7])
     except (OSError, IndexError, ValueError):
         return None
 
@@ -255,10 +261,10 @@ def threads_cpu_s() -> dict[int, float] | None:
         return None
     for task in tasks:
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            fields = _stat_fields(task)
         except (OSError, IndexError):
             continue  # the thread ended while this read the others
-        result[int(task.name)] = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+        result[int(task.name)] = (int(fields[11]) + int(fields[12])) / ticks
     return result
 
 
