@@ -84,7 +84,8 @@ def thread_figures(per_rank: list[dict]) -> dict:
     the share runnable without a core (the rest it was blocked: on the GPU, the GIL), the times it
     blocked; its CPU time a step, the kernel's part of it and its minor page faults a step; the CPU time a
     step of the rank's other threads, the busiest one's (on a GPU autograd's, which runs the backward
-    pass) and all; and torch's intra-op threads."""
+    pass) and all; the host time a step of forward, backward, the optimizer step and the rest of the loop;
+    and torch's intra-op threads."""
     def worst(numerator: str, denominator: str, scale: float = 1.0):
         shares = [r[numerator] / r[denominator] * scale for r in per_rank
                   if r.get(numerator) is not None and r.get(denominator)]
@@ -99,6 +100,9 @@ def thread_figures(per_rank: list[dict]) -> dict:
             "thread_faults_per_step": worst("timed_minor_faults", "timed_steps"),
             "busiest_other_thread_cpu_ms_per_step": worst("timed_busiest_other_thread_cpu_s", "timed_steps", 1e3),
             "other_threads_cpu_ms_per_step": worst("timed_other_threads_cpu_s", "timed_steps", 1e3),
+            "busiest_other_thread": per_rank[0].get("timed_busiest_other_thread"),
+            **{f"{phase}_ms_per_step": worst(f"timed_{phase}_s", "timed_steps", 1e3)
+               for phase in ("forward", "backward", "optimizer_step", "other")},
             "torch_threads": per_rank[0].get("torch_threads")}
 
 

@@ -268,6 +268,14 @@ def threads_cpu_s() -> dict[int, float] | None:
     return result
 
 
+def _thread_name(tid: int) -> str | None:
+    """A thread of this process by its Linux name (torch names autograd's device threads pt_autograd_N)."""
+    try:
+        return (Path("/proc/self/task") / str(tid) / "comm").read_text().strip()
+    except OSError:
+        return None
+
+
 class StepTimer:
     """Wall time of the timed steps only, read after the device has finished its queued work; beside it,
     for the thread that trains: its CPU time (and the kernel's part of it, and its minor page faults), its
@@ -292,6 +300,9 @@ class StepTimer:
         self.minor_faults: int | None = None
         self.other_threads_cpu_s: float | None = None
         self.busiest_other_thread_cpu_s: float | None = None
+        self.busiest_other_thread_name: str | None = None
+        self.phase_s: dict[str, float] = {}  # host time by phase of the step, from lap()
+        self._lap_at: float | None = None
         self._threads_started: dict[int, float] | None = None
         self._thread_cpu_started = 0.0
         self._kernel_started: tuple[float, int] | None = None
@@ -312,10 +323,19 @@ class StepTimer:
         self._kernel_started = thread_system_time_and_faults()
         self._threads_started = threads_cpu_s()
         self._thread_cpu_started = time.thread_time()
-        self.started = time.perf_counter()
+        self.started = self._lap_at = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """Adds the host time since the previous lap (or the start) to `phase`, between start and stop:
+        where a host-bound step's time goes (backward, say, waits there for autograd's device thread)."""
+        if self._lap_at is not None:
+            now = time.perf_counter()
+            self.phase_s[phase] = self.phase_s.get(phase, 0.0) + now - self._lap_at
+            self._lap_at = now
 
     def stop(self) -> float:
         synchronize(self.device)
+        self._lap_at = None
         if self.started is not None:
             self.elapsed_s = time.perf_counter() - self.started
             self.thread_cpu_s = time.thread_time() - self._thread_cpu_started
@@ -330,9 +350,12 @@ class StepTimer:
             threads_ended = threads_cpu_s()
             if self._threads_started is not None and threads_ended:
                 me = threading.get_native_id()
-                others = [cpu - self._threads_started.get(tid, 0.0) for tid, cpu in threads_ended.items() if tid != me]
-                self.other_threads_cpu_s = sum(others)
-                self.busiest_other_thread_cpu_s = max(others, default=0.0)
+                others = {tid: cpu - self._threads_started.get(tid, 0.0) for tid, cpu in threads_ended.items()
+                          if tid != me}
+                self.other_threads_cpu_s = sum(others.values())
+                busiest = max(others, key=others.get, default=None)
+                self.busiest_other_thread_cpu_s = others[busiest] if busiest is not None else 0.0
+                self.busiest_other_thread_name = _thread_name(busiest) if busiest is not None else None
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         return self.elapsed_s

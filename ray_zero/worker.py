@@ -205,15 +205,19 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         _inject_fault(experiment, stage, rank, step, attempt)
         step_loss = torch.zeros((), device=device)
         for micro_step in range(accum):
+            timer.lap("other")  # the loop's own bookkeeping, live metrics
             images, labels = next(batches)
             logits = engine(images.to(dtype))  # inputs in the engine's dtype (the seed fed fp32 to fp16)
             loss = F.cross_entropy(logits.float(), labels)
+            timer.lap("forward")
             engine.backward(loss)
+            timer.lap("backward")
             if step == 0 and micro_step == 0:
                 synchronize(device)
                 timeline["after_first_backward"] = probe.current()["allocated_gib"]
                 gradient_bytes_after_backward = model_state_bytes(engine.module, optimizer)["gradient_bytes"]
             engine.step()
+            timer.lap("optimizer_step")
             step_loss += loss.detach() / accum
         epoch_loss_sum += step_loss
         if step == 0:
@@ -266,6 +270,9 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         "timed_minor_faults": timer.minor_faults,  # the training thread's minor page faults
         "timed_other_threads_cpu_s": timer.other_threads_cpu_s,  # this process's other threads' CPU time
         "timed_busiest_other_thread_cpu_s": timer.busiest_other_thread_cpu_s,  # on GPUs: autograd's, mostly
+        "timed_busiest_other_thread": timer.busiest_other_thread_name,
+        # Host time of each part of the timed steps; their sum less timed_s: the last wait for the device.
+        **{f"timed_{phase}_s": timer.phase_s.get(phase) for phase in ("forward", "backward", "optimizer_step", "other")},
         "timed_gc_s": timer.gc_s,  # Python's garbage collector in the timed steps
         "timed_run_queue_s": timer.run_queue_s,  # the training thread runnable, waiting for a core
         "timed_voluntary_switches": timer.voluntary_switches,  # times it blocked (GIL, device, I/O)

@@ -1,6 +1,7 @@
 """The step timer: wall time of the timed steps, the training thread's CPU time and the collector's."""
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import subprocess
@@ -49,6 +50,7 @@ def test_step_timer_counts_the_other_threads_cpu_apart_from_its_own():
     done, stop = threading.Event(), threading.Event()
 
     def busy():
+        ctypes.CDLL(None).prctl(15, b"busy-helper")  # PR_SET_NAME, as torch names pt_autograd_0
         until = time.thread_time() + 0.5
         while time.thread_time() < until:
             pass
@@ -64,7 +66,24 @@ def test_step_timer_counts_the_other_threads_cpu_apart_from_its_own():
     stop.set()
     helper.join()
     assert 0.4 <= timer.busiest_other_thread_cpu_s <= timer.other_threads_cpu_s
+    assert timer.busiest_other_thread_name == "busy-helper"
     assert timer.thread_cpu_s < 0.2  # the training thread only waited
+
+
+def test_step_timer_laps_split_the_timed_time_by_phase_and_only_while_timing():
+    timer = StepTimer(torch.device("cpu"))
+    timer.lap("forward")  # before start: not counted
+    timer.start()
+    for _ in range(3):
+        time.sleep(0.01)
+        timer.lap("forward")
+        time.sleep(0.03)
+        timer.lap("backward")
+    elapsed = timer.stop()
+    timer.lap("backward")  # after stop: not counted
+    assert 0.03 <= timer.phase_s["forward"] < 0.06
+    assert 0.09 <= timer.phase_s["backward"] < 0.15
+    assert sum(timer.phase_s.values()) <= elapsed
 
 
 def test_step_timer_tells_waiting_for_a_core_from_blocking():
