@@ -86,10 +86,10 @@ def thread_figures(per_rank: list[dict]) -> dict:
     step of the rank's other threads, the busiest one's (on a GPU autograd's, which runs the backward
     pass) and all; the host time a step of forward, backward, the optimizer step and the rest of the loop;
     and torch's intra-op threads."""
-    def worst(numerator: str, denominator: str, scale: float = 1.0):
+    def worst(numerator: str, denominator: str, scale: float = 1.0, pick=max):
         shares = [r[numerator] / r[denominator] * scale for r in per_rank
                   if r.get(numerator) is not None and r.get(denominator)]
-        return max(shares) if shares else None
+        return pick(shares) if shares else None
 
     on_cpu = [r["timed_thread_cpu_s"] / r["timed_s"] for r in per_rank if r.get("timed_thread_cpu_s")]
     return {"thread_on_cpu": min(on_cpu) if on_cpu else None,
@@ -101,6 +101,11 @@ def thread_figures(per_rank: list[dict]) -> dict:
             "busiest_other_thread_cpu_ms_per_step": worst("timed_busiest_other_thread_cpu_s", "timed_steps", 1e3),
             "other_threads_cpu_ms_per_step": worst("timed_other_threads_cpu_s", "timed_steps", 1e3),
             "busiest_other_thread": per_rank[0].get("timed_busiest_other_thread"),
+            # Same work, more CPU time: more instructions (another code path) or fewer a cycle, or a slower clock.
+            "thread_minstructions_per_step": worst("timed_thread_instructions", "timed_steps", 1e-6),
+            "thread_instructions_per_cycle": worst("timed_thread_instructions", "timed_thread_cycles", pick=min),
+            # User-space cycles over all CPU time: the kernel's 0.1-0.5 % of it makes this a shade low.
+            "thread_ghz": worst("timed_thread_cycles", "timed_thread_cpu_s", 1e-9, pick=min),
             **{f"{phase}_ms_per_step": worst(f"timed_{phase}_s", "timed_steps", 1e3)
                for phase in ("forward", "backward", "optimizer_step", "other")},
             "torch_threads": per_rank[0].get("torch_threads")}

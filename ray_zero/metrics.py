@@ -13,6 +13,8 @@ from typing import Any, Iterable
 
 import torch
 
+from ray_zero.cpu_counters import ThreadCounters
+
 GIB = 1024 ** 3
 
 # Dense peak TFLOP/s per GPU (no sparsity), from the vendors' data sheets, for MFU.
@@ -302,6 +304,10 @@ class StepTimer:
         self.busiest_other_thread_cpu_s: float | None = None
         self.busiest_other_thread_name: str | None = None
         self.phase_s: dict[str, float] = {}  # host time by phase of the step, from lap()
+        self.thread_cycles: int | None = None  # the training thread's, in user space (hardware counters)
+        self.thread_instructions: int | None = None
+        self._counters: ThreadCounters | None = None
+        self._counted_from: tuple[int, int] = (0, 0)
         self._lap_at: float | None = None
         self._threads_started: dict[int, float] | None = None
         self._thread_cpu_started = 0.0
@@ -322,6 +328,9 @@ class StepTimer:
         self._sched_started = thread_scheduling()
         self._kernel_started = thread_system_time_and_faults()
         self._threads_started = threads_cpu_s()
+        self._counters = ThreadCounters.open()
+        if self._counters is not None:
+            self._counted_from = self._counters.read()
         self._thread_cpu_started = time.thread_time()
         self.started = self._lap_at = time.perf_counter()
 
@@ -339,6 +348,10 @@ class StepTimer:
         if self.started is not None:
             self.elapsed_s = time.perf_counter() - self.started
             self.thread_cpu_s = time.thread_time() - self._thread_cpu_started
+            if self._counters is not None:
+                counted = self._counters.read()
+                self.thread_cycles = counted[0] - self._counted_from[0]
+                self.thread_instructions = counted[1] - self._counted_from[1]
             ended = thread_scheduling()
             if self._sched_started and ended:
                 self.run_queue_s = ended[0] - self._sched_started[0]
@@ -356,6 +369,9 @@ class StepTimer:
                 busiest = max(others, key=others.get, default=None)
                 self.busiest_other_thread_cpu_s = others[busiest] if busiest is not None else 0.0
                 self.busiest_other_thread_name = _thread_name(busiest) if busiest is not None else None
+        if self._counters is not None:
+            self._counters.close()
+            self._counters = None
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         return self.elapsed_s

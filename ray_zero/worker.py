@@ -271,6 +271,9 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         "timed_other_threads_cpu_s": timer.other_threads_cpu_s,  # this process's other threads' CPU time
         "timed_busiest_other_thread_cpu_s": timer.busiest_other_thread_cpu_s,  # on GPUs: autograd's, mostly
         "timed_busiest_other_thread": timer.busiest_other_thread_name,
+        # User-space cycles and instructions of the training thread, where the machine counts them.
+        "timed_thread_cycles": timer.thread_cycles,
+        "timed_thread_instructions": timer.thread_instructions,
         # Host time of each part of the timed steps; their sum less timed_s: the last wait for the device.
         **{f"timed_{phase}_s": timer.phase_s.get(phase) for phase in ("forward", "backward", "optimizer_step", "other")},
         "timed_gc_s": timer.gc_s,  # Python's garbage collector in the timed steps
