@@ -169,13 +169,20 @@ def ray_rows(output: Path, serial: bool = False) -> dict[str, dict]:
     return rows
 
 
+def _ray_cpus(experiment, workers: int, use_gpu: bool) -> int:
+    """CPUs of each private Ray: a trial's own, at least 2 with GPUs (the GPUs hold one trial at a time
+    there); BENCH_RAY_CPUS=N sets it. Ray starts at most that many worker processes at once and prestarts
+    as many at its start (ray/_private/services.py), where a user's private Ray has every CPU."""
+    cpus = workers * experiment.cpus_per_worker
+    return int(os.environ.get("BENCH_RAY_CPUS", max(2, cpus) if use_gpu else cpus))
+
+
 def _sweep_alone(experiment, folder: Path, workers: int, use_gpu: bool, command: str) -> None:
     """Run `experiment` as a ray_zero sweep on a private Ray with room for exactly one trial of
     `workers` workers: its trials train one at a time, like the bare runs."""
     import ray
 
-    cpus = workers * experiment.cpus_per_worker
-    ray.init(num_gpus=workers if use_gpu else 0, num_cpus=max(2, cpus) if use_gpu else cpus,
+    ray.init(num_gpus=workers if use_gpu else 0, num_cpus=_ray_cpus(experiment, workers, use_gpu),
              dashboard_host="127.0.0.1", configure_logging=False)
     try:
         run_sweep(experiment, folder, command=command)
@@ -398,7 +405,8 @@ def main() -> None:
         per_run = ("- cluster:", "- max_concurrent_trials:", "- trials_started_early:")
         lines += [line for line in _provenance_lines(next((args.output / "throughput").iterdir()))
                   if not line.startswith(per_run)]
-        lines.append("- each ray_zero run: a private Ray with room for exactly its one trial")
+        lines.append("- each ray_zero run: a private Ray with room for exactly its one trial"
+                     + (f" ({os.environ['BENCH_RAY_CPUS']} CPUs: BENCH_RAY_CPUS)" if "BENCH_RAY_CPUS" in os.environ else ""))
         lines.append(f"- cpus this benchmark and its children may use: {_affinity()}")
         switches = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("BARE_"))
         if switches:  # bare_deepspeed.py's set-up switches, inherited by every bare run
