@@ -6,9 +6,10 @@
 #   bash scripts/gpu-side-by-side-isolated.sh --set steps=1220 --set warmup_steps=20 --throughput 4
 set -u
 source scripts/gpu-env.sh
+TRAINERS='^[^ ]*python[^ ]* .*bare_deepspeed[.]py|^ray::RayTrainWorker'  # not a shell that names them
 isolate() {
   while true; do
-    for pid in $(pgrep -f "bare_deepspeed.py|ray::RayTrainWorker"); do taskset -a -cp 0-7 "$pid" > /dev/null 2>&1; done
+    for pid in $(pgrep -f "$TRAINERS"); do taskset -a -cp 0-7 "$pid" > /dev/null 2>&1; done
     sleep 0.5
   done
 }
