@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ray_zero.config import load_experiment
+from ray_zero.cpu_counters import ThreadCounters
 from ray_zero.report import COLUMNS, load_trials
 from ray_zero.sweep import run_sweep
 from ray_zero.worker import jit_ops_dir
@@ -90,6 +91,16 @@ def test_per_rank_file_has_every_rank_and_memory_is_max_over_ranks(quick_sweep):
     assert ((ranks["timed_busiest_other_thread_cpu_s"] >= 0)
             & (ranks["timed_busiest_other_thread_cpu_s"] <= ranks["timed_other_threads_cpu_s"])).all()
     assert ((ranks["timed_gc_s"] >= 0) & (ranks["timed_gc_s"] < ranks["timed_s"])).all()
+    # The timed steps' host time by phase: each part of it, together no more than all of it.
+    phases = ranks[["timed_forward_s", "timed_backward_s", "timed_optimizer_step_s", "timed_other_s"]]
+    assert (phases > 0).all().all() and (phases.sum(axis=1) <= ranks["timed_s"] + 1e-6).all()
+    # The training thread's instructions where the machine counts them (hardware counters), else empty.
+    counters = ThreadCounters.open()
+    if counters is None:
+        assert ranks["timed_thread_instructions"].isna().all()
+    else:
+        counters.close()
+        assert (ranks["timed_thread_instructions"] > 0).all()
     # ... its time waiting for a core (Linux), and the times it blocked; on CPU a rank has 1 torch thread.
     assert ((ranks["timed_run_queue_s"] >= 0) & (ranks["timed_run_queue_s"] < ranks["timed_s"])).all()
     assert (ranks["timed_voluntary_switches"] >= 0).all() and (ranks["torch_threads"] == 1).all()
