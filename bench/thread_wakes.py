@@ -15,18 +15,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ray_zero.metrics import thread_scheduling  # noqa: E402
+from ray_zero.metrics import thread_name, thread_scheduling  # noqa: E402
 
 
 def snapshot(pid: int) -> dict[int, tuple[str, tuple[float, int]]]:
     threads = {}
     for tid in map(int, os.listdir(f"/proc/{pid}/task")):
-        try:
-            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-        except OSError:
-            continue  # the thread ended
-        counts = thread_scheduling(tid, pid)
-        if counts is not None:
+        name, counts = thread_name(tid, pid), thread_scheduling(tid, pid)
+        if name is not None and counts is not None:  # else the thread ended
             threads[tid] = (name, counts)
     return threads
 

@@ -270,10 +270,11 @@ def threads_cpu_s() -> dict[int, float] | None:
     return result
 
 
-def _thread_name(tid: int) -> str | None:
-    """A thread of this process by its Linux name (torch names autograd's device threads pt_autograd_N)."""
+def thread_name(tid: int, pid: int | None = None) -> str | None:
+    """Thread `tid` of this process (or of process `pid`) by its Linux name (torch names autograd's device
+    threads pt_autograd_N); None once it has ended."""
     try:
-        return (Path("/proc/self/task") / str(tid) / "comm").read_text().strip()
+        return Path(f"/proc/{pid or 'self'}/task/{tid}/comm").read_text().strip()
     except OSError:
         return None
 
@@ -368,7 +369,7 @@ class StepTimer:
                 self.other_threads_cpu_s = sum(others.values())
                 busiest = max(others, key=others.get, default=None)
                 self.busiest_other_thread_cpu_s = others[busiest] if busiest is not None else 0.0
-                self.busiest_other_thread_name = _thread_name(busiest) if busiest is not None else None
+                self.busiest_other_thread_name = thread_name(busiest) if busiest is not None else None
         if self._counters is not None:
             self._counters.close()
             self._counters = None
