@@ -55,7 +55,7 @@ class _LazyTorchBackend(Backend):
         address, port = worker_group.execute_single(0, get_address_and_port)
         worker_group.execute(_set_master, address=address, port=port)
         worker_group.execute(ray_torch._set_torch_distributed_env_vars)
-        ray.get([worker_group.execute_single_async(rank, _init_process_group_on_device, rank=rank,
+        ray.get([worker_group.execute_single_async(rank, _init_process_group_on_device, world_rank=rank,
                                                    world_size=len(worker_group), timeout_s=backend_config.timeout_s)
                  for rank in range(len(worker_group))])
 
@@ -72,7 +72,7 @@ def _set_master(address: str, port: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, str(port)
 
 
-def _init_process_group_on_device(rank: int, world_size: int, timeout_s: int) -> None:
+def _init_process_group_on_device(world_rank: int, world_size: int, timeout_s: int) -> None:
     """On a worker: the NCCL process group bound to this rank's GPU (`device_id`). Its communicator is
     made here rather than at the first collective, and the groups DeepSpeed makes from it are split off it
     (ncclCommSplit) instead of each being set up from scratch through the rendezvous store."""
@@ -85,7 +85,7 @@ def _init_process_group_on_device(rank: int, world_size: int, timeout_s: int) ->
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
     device = get_device()
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method="env://", rank=rank, world_size=world_size,
+    dist.init_process_group("nccl", init_method="env://", rank=world_rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s), device_id=device)
 
 
