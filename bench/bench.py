@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,9 @@ RANK_PHASES = [
     ("model build", "train_started_at", "model_built_at"),
     ("data load", "model_built_at", "data_loaded_at"),
     ("deepspeed.initialize", "data_loaded_at", "initialized_at"),
-    ("first step", "initialized_at", "first_step_at"),
+    ("first step: forward (host)", "initialized_at", "first_forward_at"),
+    ("first step: backward, device caught up", "first_forward_at", "first_backward_at"),
+    ("first step: optimizer step", "first_backward_at", "first_step_at"),
     ("other warm-up steps", "first_step_at", "warmed_up_at"),
     ("timed steps", "warmed_up_at", "finished_at"),
 ]
@@ -71,7 +74,8 @@ BARE_PHASES = [
     ("gather results, exit", "finished_at", "exited_at"),
 ]
 RANK_MARKS = ("process_started_at", "imported_at", "process_group_at", "train_fn_started_at", "train_started_at",
-              "model_built_at", "data_loaded_at", "initialized_at", "first_step_at", "warmed_up_at", "finished_at")
+              "model_built_at", "data_loaded_at", "initialized_at", "first_forward_at", "first_backward_at",
+              "first_step_at", "warmed_up_at", "finished_at")
 
 
 def _slowest_rank_marks(per_rank: list[dict]) -> dict[str, float]:
@@ -113,6 +117,12 @@ def thread_figures(per_rank: list[dict]) -> dict:
 
 def _phases(marks: dict[str, float], phases) -> dict[str, float]:
     return {name: marks[end] - marks[start] for name, start, end in phases if start in marks and end in marks}
+
+
+def start_up_figures(per_rank: list[dict]) -> dict[str, float]:
+    """Seconds of each rank phase before the timed steps (slowest rank), the same under both launchers."""
+    phases = _phases(_slowest_rank_marks(per_rank), RANK_PHASES[:-1])
+    return {re.sub(r"\W+", "_", name).strip("_") + "_s": value for name, value in phases.items()}
 
 
 def run_bare(experiment, point, precision: str, use_gpu: bool, workdir: Path,
@@ -240,6 +250,16 @@ def compare(experiment, output: Path) -> pd.DataFrame:
     return pd.DataFrame(records)
 
 
+def _ray_row(folder: Path, name: str) -> dict:
+    """The ray_zero run's row; a failed run stops the benchmark with its reason, not a KeyError."""
+    rows = ray_rows(folder)
+    if name not in rows:
+        failed = [r for r in load_trials(folder) if r.get("trial") == name]
+        reason = failed[0].get("error", "no result") if failed else "no result"
+        raise RuntimeError(f"ray_zero run {name} in {folder} failed: {reason}")
+    return rows[name]
+
+
 def _timed_interval(row: dict) -> tuple[float, float]:
     """When the slowest rank's timed steps ran (wall clock)."""
     return row["finished_at"] - row["timed_s"], row["finished_at"]
@@ -273,7 +293,7 @@ def _side_by_side(experiment, single, point, plan, workdir: Path, folder: Path, 
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
-        return pending.result(), ray_rows(folder)[trial_name(point)]
+        return pending.result(), _ray_row(folder, trial_name(point))
 
 
 def throughput(experiment, output: Path, repeats: int, side_by_side: bool = False,
@@ -306,7 +326,7 @@ def throughput(experiment, output: Path, repeats: int, side_by_side: bool = Fals
                 _sweep_alone(single, folder, point["num_workers"], plan.use_gpu, "bench/bench.py --throughput")
                 if not bare_first:
                     bare = run_bare(experiment, point, plan.precision, plan.use_gpu, workdir)
-                ray_side = ray_rows(folder)[name]
+                ray_side = _ray_row(folder, name)
                 order = "bare" if bare_first else "ray_zero"
             (bare_start, bare_end), (ray_start, ray_end) = _timed_interval(bare), _timed_interval(ray_side)
             if side_by_side:  # next pair: shift the bare start so that both timed phases begin together
@@ -322,6 +342,8 @@ def throughput(experiment, output: Path, repeats: int, side_by_side: bool = Fals
                             "timed_overlap": timed_overlap((bare_start, bare_end), (ray_start, ray_end)),
                             **{f"{side}_{k}": v for side, row in (("bare", bare), ("ray_zero", ray_side))
                                for k, v in thread_figures(row["per_rank"]).items()},
+                            **{f"{side}_{k}": v for side, row in (("bare", bare), ("ray_zero", ray_side))
+                               for k, v in start_up_figures(row["per_rank"]).items()},
                             "bare_window_median": bare["window_samples_per_s_median"],
                             "ray_zero_window_median": ray_side["window_samples_per_s_median"],
                             **{f"{which}_ratio": ray_side[which] / bare[which] for which in

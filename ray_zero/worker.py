@@ -214,10 +214,13 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
             logits = engine(images.to(dtype))  # inputs in the engine's dtype (the seed fed fp32 to fp16)
             loss = F.cross_entropy(logits.float(), labels)
             timer.lap("forward")
+            if step == 0 and micro_step == 0:
+                marks["first_forward_at"] = time.time()  # host only: kernels loaded, cuBLAS handles made
             engine.backward(loss)
             timer.lap("backward")
             if step == 0 and micro_step == 0:
                 synchronize(device)
+                marks["first_backward_at"] = time.time()  # the device has caught up with the forward too
                 timeline["after_first_backward"] = probe.current()["allocated_gib"]
                 gradient_bytes_after_backward = model_state_bytes(engine.module, optimizer)["gradient_bytes"]
             engine.step()
