@@ -29,7 +29,7 @@ def first_conv_in_worker() -> dict:
 
 
 def main(tasks: int) -> None:
-    ray.init(num_gpus=1, num_cpus=2, configure_logging=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    ray.init(num_gpus=1, num_cpus=2, configure_logging=False)  # workers inherit PYTHONPATH
     for _ in range(tasks):
         got = ray.get(first_conv_in_worker.remote())
         env = got["env"]
