@@ -51,10 +51,10 @@ def _in_ray_train() -> dict:
     from ray.train.torch import TorchTrainer
 
     def loop(config):
-        ray.train.report(first_step())
+        ray.train.report({"json": json.dumps(first_step())})  # as one string: metrics may be flattened
 
     result = TorchTrainer(loop, scaling_config=ScalingConfig(num_workers=1, use_gpu=True)).fit()
-    return result.metrics
+    return json.loads(result.metrics["json"])
 
 
 def main(where: str) -> None:
