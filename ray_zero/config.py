@@ -155,10 +155,6 @@ class Experiment(_Strict):
     """Keep each rank's main thread asleep while its training thread runs (ray_zero/main_thread.py): Ray's
     task loop there otherwise wakes every 10 ms and takes the GIL from a host-bound training step.
     false leaves Ray Train's rank as it is."""
-    process_group_on_gpu: bool = True
-    """Bind each GPU trial's NCCL process group to the rank's GPU (`device_id`, as torchrun scripts do):
-    its communicator is made as the group starts and DeepSpeed's groups are split off it. false: Ray
-    Train's own set-up, whose communicators are made at the first collective."""
     live_metrics_every: int = Field(default=5, gt=0)
     """Update the dashboard gauges every this many steps."""
     fault: Optional[Fault] = None

@@ -90,8 +90,7 @@ def run_trial(config: dict[str, Any]) -> None:
     trainer = DataParallelTrainer(
         train_loop_per_worker,
         train_loop_config=trial,
-        backend_config=LazyTorchConfig(backend="nccl" if use_gpu else "gloo",
-                                       bind_to_device=experiment.process_group_on_gpu),
+        backend_config=LazyTorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=point["num_workers"], use_gpu=use_gpu,
                                      resources_per_worker=resources,
                                      placement_strategy=experiment.placement_strategy),
