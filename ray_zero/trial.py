@@ -65,10 +65,10 @@ def run_trial(config: dict[str, Any]) -> None:
     # A trial started early (overlap_startup) waits for the running trial's GPUs: Train's 60 s limit on
     # that wait would end in a retry, with a warning, every minute of a long trial.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(24 * 3600))
-    # Ray Train moves each worker into a new folder per run. The kernels cuDNN compiles at run time (its
-    # attention and convolution engines) are then missed in the CUDA driver's JIT cache, whose key depends
-    # on the working directory, and every trial's first step compiled them again: about 1 s on the H200
-    # (bench/README.md). Workers stay where Ray started them; ray_zero's paths are absolute.
+    # Ray Train moves each worker into a new folder per run. The kernels cuDNN compiles at run time (NVRTC)
+    # are reused by a later process only from the same working directory, so every trial's first step
+    # compiled them again: about 1 s on the H200 (bench/README.md, cut 8). Workers stay where Ray started
+    # them; ray_zero's paths are absolute.
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
     experiment = Experiment.model_validate(config["experiment"])
     point, precision, use_gpu = config["point"], config["precision"], config["use_gpu"]
