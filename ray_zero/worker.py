@@ -309,6 +309,8 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         "data_source": shard.source,
         "torch_threads": torch.get_num_threads(),  # intra-op threads (Ray sets OMP_NUM_THREADS to a rank's CPUs)
         "niceness": os.nice(0),  # the scheduler priority this rank trained at (Ray's workers: 15 by default)
+        # The same folder for every trial: cuDNN's run-time compiled kernels are reused only from there.
+        "working_dir": os.getcwd(),
         "jit_ops_dir": os.environ["TORCH_EXTENSIONS_DIR"],  # where DeepSpeed's JIT ops were built or found
         "nvml_cuda_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == "1",  # torch asks NVML for GPUs
     }

@@ -84,6 +84,12 @@ def test_per_rank_file_has_every_rank_and_memory_is_max_over_ranks(quick_sweep):
         assert 0.5 < row.window_samples_per_s_median / row.samples_per_s < 2
     # Ray starts its workers at niceness 15; the ranks train at worker_niceness (default 0), like torchrun's.
     assert (ranks["niceness"] == 0).all()
+    # Every trial's ranks stay in the folder Ray started its workers in (here this session's), where
+    # Ray Train would move each run to a new one (cuDNN's compiled kernels are reused only from one folder).
+    assert set(ranks["working_dir"]) == {os.getcwd()}
+    # The first step's marks, in order: forward, backward, optimizer step.
+    assert ((ranks["initialized_at"] < ranks["first_forward_at"]) & (ranks["first_forward_at"] < ranks["first_backward_at"])
+            & (ranks["first_backward_at"] < ranks["first_step_at"])).all()
     # Where the timed steps' time went: the training thread's CPU time and Python's collector, within it.
     assert ((ranks["timed_thread_cpu_s"] > 0) & (ranks["timed_thread_cpu_s"] <= ranks["timed_s"] * 1.05 + 0.01)).all()
     assert ((ranks["timed_thread_system_s"] >= 0) & (ranks["timed_thread_system_s"] <= ranks["timed_thread_cpu_s"] + 0.02)).all()
