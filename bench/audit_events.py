@@ -26,6 +26,9 @@ def main(kind: str) -> None:
 
     from ray_zero.ds_config import build_ds_config
     from ray_zero.model import build_model
+    from ray_zero.worker import jit_ops_dir
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_ops_dir())  # as a rank: this environment's own op build
 
     device = torch.device(kind, 0) if kind == "cuda" else torch.device("cpu")
     if kind == "cuda":
