@@ -24,9 +24,9 @@ def main(kind: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from ray_zero.ds_config import build_ds_config
+    from ray_zero.config import Experiment
     from ray_zero.model import build_model
-    from ray_zero.worker import jit_ops_dir
+    from ray_zero.worker import experiment_ds_config, jit_ops_dir
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_ops_dir())  # as a rank: this environment's own op build
 
@@ -36,9 +36,7 @@ def main(kind: str) -> None:
     dist.init_process_group("nccl" if kind == "cuda" else "gloo")
     precision = "fp16" if kind == "cuda" else "fp32"
     model = build_model("seed").to(device)
-    config = build_ds_config(stage=1, micro_batch_size=64, gradient_accumulation_steps=1, world_size=1,
-                             precision=precision, optimizer_type="Adam", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                             weight_decay=0.0, reduce_bucket_size=50_000_000, allgather_bucket_size=50_000_000)
+    config = experiment_ds_config(Experiment(steps=1, warmup_steps=0), 1, 64, 1, precision)  # ray_zero's defaults
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     images = torch.randn(64, 1, 28, 28, device=device).to(torch.half if precision == "fp16" else torch.float)
     labels = torch.randint(0, 10, (64,), device=device)

@@ -68,6 +68,18 @@ def _inject_fault(experiment: Experiment, stage: int, rank: int, step: int, atte
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def experiment_ds_config(experiment: Experiment, stage: int, micro_batch_size: int, world_size: int,
+                         precision: str) -> dict:
+    """DeepSpeed's config for one grid point of `experiment`, as a rank builds it."""
+    return build_ds_config(
+        stage=stage, micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=experiment.gradient_accumulation_steps, world_size=world_size,
+        precision=precision, optimizer_type=experiment.optimizer.type, lr=experiment.optimizer.lr,
+        betas=tuple(experiment.optimizer.betas), eps=experiment.optimizer.eps,
+        weight_decay=experiment.optimizer.weight_decay, reduce_bucket_size=experiment.reduce_bucket_size,
+        allgather_bucket_size=experiment.allgather_bucket_size)
+
+
 def jit_ops_dir() -> str:
     """This Python environment's own folder for DeepSpeed's JIT-built ops (used unless the user sets one).
 
@@ -172,12 +184,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
     marks["data_loaded_at"] = time.time()
 
     set_phase("deepspeed.initialize")
-    ds_config = build_ds_config(
-        stage=stage, micro_batch_size=micro, gradient_accumulation_steps=accum, world_size=world_size,
-        precision=trial["precision"], optimizer_type=experiment.optimizer.type, lr=experiment.optimizer.lr,
-        betas=tuple(experiment.optimizer.betas), eps=experiment.optimizer.eps,
-        weight_decay=experiment.optimizer.weight_decay, reduce_bucket_size=experiment.reduce_bucket_size,
-        allgather_bucket_size=experiment.allgather_bucket_size)
+    ds_config = experiment_ds_config(experiment, stage, micro, world_size, trial["precision"])
     # One optimizer, from the config: no client optimizer (the seed script passed both).
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                    config=ds_config)
@@ -214,11 +221,12 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
             logits = engine(images.to(dtype))  # inputs in the engine's dtype (the seed fed fp32 to fp16)
             loss = F.cross_entropy(logits.float(), labels)
             timer.lap("forward")
-            if step == 0 and micro_step == 0:
+            first = step == 0 and micro_step == 0
+            if first:
                 marks["first_forward_at"] = time.time()  # host only: kernels loaded, cuBLAS handles made
             engine.backward(loss)
             timer.lap("backward")
-            if step == 0 and micro_step == 0:
+            if first:
                 synchronize(device)
                 marks["first_backward_at"] = time.time()  # the device has caught up with the forward too
                 timeline["after_first_backward"] = probe.current()["allocated_gib"]
