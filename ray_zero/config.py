@@ -155,10 +155,6 @@ class Experiment(_Strict):
     """Keep each rank's main thread asleep while its training thread runs (ray_zero/main_thread.py): Ray's
     task loop there otherwise wakes every 10 ms and takes the GIL from a host-bound training step.
     false leaves Ray Train's rank as it is."""
-    early_torch_import: bool = True
-    """Ray Train's workers start importing torch in a thread as their process starts, while they become
-    Ray Train's workers, instead of when Ray Train sets up the process group (bench/README.md, cut 9).
-    Not where the job has a worker_process_setup_hook of its own."""
     live_metrics_every: int = Field(default=5, gt=0)
     """Update the dashboard gauges every this many steps."""
     fault: Optional[Fault] = None

@@ -10,7 +10,6 @@ device), imported where it runs: the controller starts that import in a thread a
 from __future__ import annotations
 
 import importlib
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -18,8 +17,6 @@ from typing import Any, Optional
 from ray.train.backend import Backend, BackendConfig
 from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.util import TrainingFramework
-
-from ray_zero import worker_setup
 
 _RAY_TORCH_CONFIG = "ray.train.torch.config"  # Ray Train's torch backend; imports torch
 
@@ -96,23 +93,3 @@ class ImportTorchBackendEarly(ControllerCallback):
     def after_controller_start(self, train_run_context) -> None:
         threading.Thread(target=importlib.import_module, args=(_RAY_TORCH_CONFIG,), daemon=True,
                          name="ray_zero-import-torch").start()
-
-
-def early_torch_import_env() -> dict[str, str]:
-    """Env vars for Ray Train's workers that make each import torch in a thread as its process starts
-    (`ray_zero.worker_setup`): Ray's worker_process_setup_hook, set for these actors alone. Ray's public
-    API sets such a hook for a whole job (every Tune and Train process would import torch); this is what
-    it does inside, exporting the function to Ray's GCS by value. Nothing where the job has a setup hook
-    of its own, which this would replace, or where this Ray's internals differ."""
-    try:
-        from ray import cloudpickle
-        from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
-        from ray._private.runtime_env.setup_hook import decode_function_key
-        from ray._private.worker import global_worker
-    except ImportError:
-        return {}
-    if os.environ.get(WORKER_PROCESS_SETUP_HOOK_ENV_VAR):
-        return {}
-    cloudpickle.register_pickle_by_value(worker_setup)  # workers cannot import ray_zero when they run it
-    key = global_worker.function_actor_manager.export_setup_func(worker_setup.import_torch_in_a_thread)
-    return {WORKER_PROCESS_SETUP_HOOK_ENV_VAR: decode_function_key(key)}

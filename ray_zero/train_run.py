@@ -15,8 +15,6 @@ import psutil
 from ray.train import UserCallback
 from ray.util.queue import Queue
 
-from ray_zero import worker_setup
-
 
 def one_line_reason(error: BaseException) -> str:
     """The informative part of a (possibly wrapped, multi-line) worker error, on one line."""
@@ -79,9 +77,6 @@ def train_loop_per_worker(trial: dict[str, Any]) -> None:
     hold = HoldMainThread() if trial["experiment"]["hold_main_thread"] else None
     with hold or contextlib.nullcontext():
         metrics = train(trial, rank, world_size, device, on_progress=publish)
-    # Where the worker's setup hook ran (early_torch_import): when its thread started and finished torch.
-    metrics.update({mark: float(os.environ[env]) if env in os.environ else None for mark, env in (
-        ("torch_import_started_at", worker_setup.STARTED_ENV), ("torch_imported_at", worker_setup.FINISHED_ENV))})
     metrics.update(process_started_at=process_started_at, train_fn_started_at=train_fn_started_at,
                    pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(),
                    main_thread_held=bool(hold and hold.active))

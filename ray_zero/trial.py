@@ -23,7 +23,7 @@ from ray.util.queue import Queue
 from ray_zero.config import Experiment
 from ray_zero.report import join_storage
 from ray_zero.rows import aggregate_ranks, base_row, finish_row
-from ray_zero.torch_backend import ImportTorchBackendEarly, LazyTorchConfig, early_torch_import_env
+from ray_zero.torch_backend import ImportTorchBackendEarly, LazyTorchConfig
 from ray_zero.train_run import AllRanksCallback, one_line_reason, train_loop_per_worker
 
 
@@ -82,10 +82,6 @@ def run_trial(config: dict[str, Any]) -> None:
         # Fault injection counts attempts with marker files (a testing aid for one machine).
         trial["attempt_dir"] = str(Path(tempfile.gettempdir()) / "ray_zero_attempts" / context.get_trial_id())
 
-    # Read by each worker's Ray core as it starts (Ray's job supervisor does the same).
-    worker_env = {"RAY_worker_niceness": str(experiment.worker_niceness)}
-    if experiment.early_torch_import:
-        worker_env.update(early_torch_import_env())
     queue = Queue(actor_options={"num_cpus": 0})
     resources = {"CPU": experiment.cpus_per_worker}
     if use_gpu:
@@ -101,7 +97,8 @@ def run_trial(config: dict[str, Any]) -> None:
         run_config=RunConfig(name=context.get_trial_id(), storage_path=join_storage(config["storage_path"], "train"),
                              failure_config=FailureConfig(max_failures=experiment.max_failures),
                              callbacks=[AllRanksCallback(queue), ImportTorchBackendEarly()],
-                             worker_runtime_env={"env_vars": worker_env}),
+                             # Read by each worker's Ray core as it starts (Ray's job supervisor does the same).
+                             worker_runtime_env={"env_vars": {"RAY_worker_niceness": str(experiment.worker_niceness)}}),
     )
     row["fit_started_at"] = time.time()
     try:
