@@ -20,10 +20,10 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import psutil
 import torch
 import torch.distributed as dist
 
+from ray_zero.clock import process_started_at
 from ray_zero.worker import train
 
 
@@ -46,7 +46,7 @@ def main(trial_path: str, out_path: str) -> None:
             metrics = pool.submit(train, trial, rank, world_size, device).result()
     else:
         metrics = train(trial, rank, world_size, device)
-    metrics.update(process_started_at=psutil.Process().create_time(), imported_at=imported_at,
+    metrics.update(process_started_at=process_started_at(), imported_at=imported_at,
                    process_group_at=process_group_at)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, metrics)

@@ -11,9 +11,10 @@ import os
 import time
 from typing import Any
 
-import psutil
 from ray.train import UserCallback
 from ray.util.queue import Queue
+
+from ray_zero.clock import process_started_at
 
 
 def one_line_reason(error: BaseException) -> str:
@@ -54,7 +55,7 @@ def train_loop_per_worker(trial: dict[str, Any]) -> None:
     from ray_zero.main_thread import HoldMainThread
     from ray_zero.worker import train
 
-    process_started_at = psutil.Process().create_time()
+    process_started = process_started_at()
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device() if trial["use_gpu"] else torch.device("cpu")
@@ -77,7 +78,7 @@ def train_loop_per_worker(trial: dict[str, Any]) -> None:
     hold = HoldMainThread() if trial["experiment"]["hold_main_thread"] else None
     with hold or contextlib.nullcontext():
         metrics = train(trial, rank, world_size, device, on_progress=publish)
-    metrics.update(process_started_at=process_started_at, train_fn_started_at=train_fn_started_at,
+    metrics.update(process_started_at=process_started, train_fn_started_at=train_fn_started_at,
                    pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(),
                    main_thread_held=bool(hold and hold.active))
     publish(metrics["steps"], {"loss": metrics["loss_last"], "samples_per_s": metrics["samples_per_s"],

@@ -12,14 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from ray import tune
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 from ray.util.queue import Queue
 
+from ray_zero.clock import process_started_at
 from ray_zero.config import Experiment
 from ray_zero.report import join_storage
 from ray_zero.rows import aggregate_ranks, base_row, finish_row
@@ -57,8 +56,6 @@ def failure_fields(error: BaseException) -> dict[str, Any]:
 def run_trial(config: dict[str, Any]) -> None:
     """Tune function trainable: run one grid point as a TorchTrainer and report its row to Tune."""
     driver_started_at = time.time()
-    # Tune reuses this process for the next trial (reuse_actors): its start-up is paid once per sweep.
-    driver_process = psutil.Process()
     # The Train controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default), so
     # a finished trial waited up to 2 s to be noticed: 0.25 s saved about 3 s a trial (bench/README.md).
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
@@ -74,8 +71,9 @@ def run_trial(config: dict[str, Any]) -> None:
     point, precision, use_gpu = config["point"], config["precision"], config["use_gpu"]
     context = tune.get_context()
     row = base_row(experiment, point, precision, use_gpu)
-    row.update(driver_started_at=driver_started_at, driver_pid=driver_process.pid,
-               driver_process_started_at=driver_process.create_time())
+    # Tune reuses this process for the next trial (reuse_actors): its start-up is paid once per sweep.
+    row.update(driver_started_at=driver_started_at, driver_pid=os.getpid(),
+               driver_process_started_at=process_started_at())
     trial = {"experiment": config["experiment"], "point": point, "precision": precision,
              "use_gpu": use_gpu, "trial_name": context.get_trial_name()}
     if experiment.fault is not None:
