@@ -1,5 +1,5 @@
-"""What a trial hands to Ray Train: each worker's entry point, and the controller's callback that
-forwards every rank's report to the trial.
+"""What a trial hands to Ray Train: each worker's entry point, the controller's callback that
+forwards every rank's report to the trial, and the trainer that ends its run without a 1 s wait.
 
 No torch at import: Ray Train's controller unpickles this module, and Tune's trial driver imports it,
 neither of which trains (bench/README.md, cut 7); the entry point imports torch on the worker.
@@ -12,7 +12,13 @@ import time
 from typing import Any
 
 from ray.train import UserCallback
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.util.queue import Queue
+
+try:  # Ray Train's own module; a Ray without it keeps its trainer as it is
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+except ImportError:
+    PlacementGroupCleanerCallback = None
 
 from ray_zero.clock import process_started_at
 
@@ -41,6 +47,35 @@ class AllRanksCallback(UserCallback):
 
     def after_exception(self, run_context, worker_exceptions):
         self.queue.put(("failure", {rank: one_line_reason(error) for rank, error in worker_exceptions.items()}))
+
+
+if PlacementGroupCleanerCallback is not None:
+    class StopCleanerWithoutWaiting(PlacementGroupCleanerCallback):
+        """Ray Train's placement-group cleaner (a detached actor that removes a run's placement group if
+        the controller dies), told to stop at the end of the run without waiting for it to stop.
+
+        Ray Train's own callback waits, and the cleaner's monitor thread notices only after its 1 s
+        queue wait and a State API call: up to 1 s and more at the end of every trial, between the
+        workers' shutdown and `fit()` returning (bench/README.md, cut 9). By then the run has removed
+        its placement group; the cleaner exits on its own once the stop arrives, or finds the group
+        gone if the controller is gone first."""
+
+        def _stop_cleaner(self) -> None:
+            if self._cleaner is not None:
+                self._cleaner.stop.remote()
+                self._cleaner = None
+else:
+    StopCleanerWithoutWaiting = None
+
+
+class Trainer(DataParallelTrainer):
+    """Ray Train's DataParallelTrainer with its placement-group cleaner stopped without waiting."""
+
+    def _create_default_callbacks(self) -> list:
+        callbacks = super()._create_default_callbacks()
+        if StopCleanerWithoutWaiting is None:
+            return callbacks
+        return [StopCleanerWithoutWaiting() if type(c) is PlacementGroupCleanerCallback else c for c in callbacks]
 
 
 def train_loop_per_worker(trial: dict[str, Any]) -> None:

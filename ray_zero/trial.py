@@ -14,7 +14,6 @@ from typing import Any
 
 from ray import tune
 from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 from ray.util.queue import Queue
 
@@ -23,7 +22,7 @@ from ray_zero.config import Experiment
 from ray_zero.report import join_storage
 from ray_zero.rows import aggregate_ranks, base_row, finish_row
 from ray_zero.torch_backend import ImportTorchBackendEarly, LazyTorchConfig
-from ray_zero.train_run import AllRanksCallback, one_line_reason, train_loop_per_worker
+from ray_zero.train_run import AllRanksCallback, Trainer, one_line_reason, train_loop_per_worker
 
 
 def _out_of_memory(error: BaseException) -> dict | None:
@@ -85,7 +84,7 @@ def run_trial(config: dict[str, Any]) -> None:
     if use_gpu:
         resources["GPU"] = 1
     # TorchTrainer with a TorchConfig that imports torch only on the controller and the workers.
-    trainer = DataParallelTrainer(
+    trainer = Trainer(
         train_loop_per_worker,
         train_loop_config=trial,
         backend_config=LazyTorchConfig(backend="nccl" if use_gpu else "gloo"),

@@ -68,6 +68,27 @@ def test_zero1_halves_optimizer_state_per_rank_at_two_workers(quick_sweep):
     assert 2 * 4 * 274_698 <= state[(0, 1)] < 2 * 4 * 274_698 * 1.01
 
 
+def test_trials_stop_ray_trains_placement_group_cleaner_without_waiting_and_none_is_left(quick_sweep):
+    import psutil
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from ray_zero.train_run import StopCleanerWithoutWaiting, Trainer
+
+    # The trainer a trial builds gives its controller the cleaner that is told to stop, not waited for...
+    kinds = {type(c) for c in Trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1))
+             ._create_default_callbacks()}
+    assert StopCleanerWithoutWaiting in kinds and PlacementGroupCleanerCallback not in kinds
+    # ...and every trial's cleaner (a detached actor, one per run) has still gone once the sweep is done.
+    def cleaners():
+        return [p.pid for p in psutil.process_iter(["cmdline"])
+                if "PlacementGroupCleaner" in " ".join(p.info["cmdline"] or [])]
+    deadline = time.monotonic() + 10  # each notices the stop within its 1 s check
+    while cleaners() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert cleaners() == []
+
+
 def test_per_rank_file_has_every_rank_and_memory_is_max_over_ranks(quick_sweep):
     output, frame = quick_sweep
     ranks = pd.read_csv(output / "per_rank.csv")
