@@ -17,11 +17,10 @@ import psutil
 
 def process_started_at(pid: Optional[int] = None) -> float:
     """Wall-clock time (as time.time()) at which process `pid` (default: this one) started."""
-    process = psutil.Process(pid)
-    since_boot = process.create_time() - psutil.boot_time()  # exact: both use /proc/stat's boot time
+    created = psutil.Process(pid).create_time()
     try:
         with open("/proc/uptime") as uptime:
             booted_at = time.time() - float(uptime.read().split()[0])
     except OSError:  # not Linux: psutil's own figure
-        return process.create_time()
-    return booted_at + since_boot
+        return created
+    return booted_at + (created - psutil.boot_time())  # since boot: exact, both use /proc/stat's boot time
