@@ -140,6 +140,11 @@ class Experiment(_Strict):
     free GPUs, while the others train, so their start-up no longer sits between trials. Default: on with
     GPUs, off on CPU (there the early start takes CPU from the training trials). Only where
     max_concurrent_trials does not hold back trials that the GPUs or CPUs would fit."""
+    controller_in_trial_driver: bool = True
+    """Run each trial's Ray Train controller in its Tune driver process instead of a new actor process:
+    Tune's driver already has Python, Ray and Ray Train loaded (it is reused from trial to trial), and
+    a new controller process spends over a second on them before any worker can start (bench/README.md,
+    cut 10). false starts Ray Train's own controller actor (TrainController in the Ray dashboard)."""
     max_failures: int = Field(default=0, ge=0)
     """Retries of a trial whose worker dies, before it is recorded as failed."""
     storage_path: Optional[str] = None

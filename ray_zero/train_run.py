@@ -1,17 +1,20 @@
 """What a trial hands to Ray Train: each worker's entry point, the controller's callback that
-forwards every rank's report to the trial, and the trainer that ends its run without a 1 s wait.
+forwards every rank's report to the trial, and the trainer that runs its controller in the trial's own
+process and ends its run without a 1 s wait.
 
 No torch at import: Ray Train's controller unpickles this module, and Tune's trial driver imports it,
 neither of which trains (bench/README.md, cut 7); the entry point imports torch on the worker.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
 from typing import Any
 
 from ray.train import UserCallback
+from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.util.queue import Queue
 
@@ -36,14 +39,14 @@ def one_line_reason(error: BaseException) -> str:
 
 
 class AllRanksCallback(UserCallback):
-    """Runs on the Train controller: puts every rank's report (a list in rank order), and each failed
-    attempt of the worker group, on the trial's queue."""
+    """Runs on the Train controller: puts every rank's report (a list in rank order, with the
+    controller's process id), and each failed attempt of the worker group, on the trial's queue."""
 
     def __init__(self, queue: Queue):
         self.queue = queue
 
     def after_report(self, run_context, metrics, checkpoint):
-        self.queue.put(("report", list(metrics)))
+        self.queue.put(("report", {"ranks": list(metrics), "controller_pid": os.getpid()}))
 
     def after_exception(self, run_context, worker_exceptions):
         self.queue.put(("failure", {rank: one_line_reason(error) for rank, error in worker_exceptions.items()}))
@@ -69,13 +72,31 @@ else:
 
 
 class Trainer(DataParallelTrainer):
-    """Ray Train's DataParallelTrainer with its placement-group cleaner stopped without waiting."""
+    """Ray Train's DataParallelTrainer with its controller in the calling process (unless
+    `controller_in_process` is false) and its placement-group cleaner stopped without waiting."""
+
+    def __init__(self, *args, controller_in_process: bool = True, **kwargs):
+        self.controller_in_process = controller_in_process
+        super().__init__(*args, **kwargs)
 
     def _create_default_callbacks(self) -> list:
         callbacks = super()._create_default_callbacks()
         if StopCleanerWithoutWaiting is None:
             return callbacks
         return [StopCleanerWithoutWaiting() if type(c) is PlacementGroupCleanerCallback else c for c in callbacks]
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        """Ray Train starts its controller as an actor: a new process, whose Python, Ray and Ray Train
+        modules take over a second to load before it can create any worker (bench/README.md, cut 10).
+        Here the same controller runs its control loop in this process, Tune's trial driver, which has
+        them loaded already. It is this process's child as the actor was: its workers and placement
+        group are owned here and go with it. What differs: no TrainController in the Ray dashboard, and
+        its log lines come from the trial driver."""
+        if not self.controller_in_process:
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+        controller = TrainController(**controller_init_kwargs)
+        asyncio.run(controller.run())
+        return controller.get_result()
 
 
 def train_loop_per_worker(trial: dict[str, Any]) -> None:

@@ -86,6 +86,7 @@ def run_trial(config: dict[str, Any]) -> None:
     # TorchTrainer with a TorchConfig that imports torch only on the controller and the workers.
     trainer = Trainer(
         train_loop_per_worker,
+        controller_in_process=experiment.controller_in_trial_driver,
         train_loop_config=trial,
         backend_config=LazyTorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=point["num_workers"], use_gpu=use_gpu,
@@ -108,7 +109,8 @@ def run_trial(config: dict[str, Any]) -> None:
     while not queue.empty():
         kind, item = queue.get_nowait()
         if kind == "report":
-            reports = item  # the last report holds each rank's final measurements
+            reports = item["ranks"]  # the last report holds each rank's final measurements
+            row["controller_pid"] = item["controller_pid"]
         else:
             failed_attempts += 1
     # The trial's own time runs from the first worker process of the attempt that reported; before

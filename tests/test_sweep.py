@@ -46,6 +46,8 @@ def test_quick_grid_gives_four_ok_rows(quick_sweep):
     # One at a time (the 2-worker trials fill both CPUs): Tune ran every trial in the same driver process.
     rows = load_trials(output)
     assert len({r["driver_pid"] for r in rows}) == 1
+    # Ray Train's controller ran in that process (controller_in_trial_driver), not in one of its own.
+    assert all(r["controller_pid"] == r["driver_pid"] for r in rows)
     assert all(r["queued_s"] > 0 and r["wall_s"] > r["timed_s"] for r in rows)
 
 
@@ -159,7 +161,7 @@ def test_report_rerenders_without_ray(quick_sweep, cli):
 def test_stages_2_and_3_run_on_cpu_the_second_started_early(ray_instance, tmp_path):
     experiment = load_experiment("experiments/quick.yaml", [
         "steps=4", "warmup_steps=1", "dataset=synthetic", "grid.stage=[2,3]", "grid.num_workers=[2]",
-        "overlap_startup=true", "worker_niceness=15"])
+        "overlap_startup=true", "worker_niceness=15", "controller_in_trial_driver=false"])
     frame = run_sweep(experiment, tmp_path, command="pytest stages 2 3")
     assert list(frame["status"]) == ["ok", "ok"] and list(frame["stage"]) == [2, 3]
     assert (pd.read_csv(tmp_path / "per_rank.csv")["niceness"] == 15).all()  # Ray's own default, asked for
@@ -168,6 +170,8 @@ def test_stages_2_and_3_run_on_cpu_the_second_started_early(ray_instance, tmp_pa
     first, second = sorted(load_trials(tmp_path), key=lambda r: r["finished_at"])
     assert second["fit_started_at"] < first["finished_at"] < second["process_started_at"]
     assert second["queued_s"] > first["wall_s"] - 1
+    # Ray Train's own controller actors, asked for: a process of their own for each trial.
+    assert len({first["controller_pid"], second["controller_pid"], first["driver_pid"], second["driver_pid"]}) == 4
 
 
 def _remove_coordinator(ray, name: dict) -> None:
