@@ -38,6 +38,9 @@ class _LazyTorchBackend(Backend):
         return self._ray
 
     def on_start(self, worker_group, backend_config: LazyTorchConfig) -> None:
+        # The workers import torch to make their process group. Start that now: this process may still
+        # be importing it (ImportTorchBackendEarly), and the workers need not wait for that to begin theirs.
+        worker_group.execute_async(importlib.import_module, "torch")
         backend, config = self._ray_backend(backend_config)
         backend.on_start(worker_group, config)
 

@@ -12,4 +12,8 @@ for mode in $1; do
   echo "controller_in_trial_driver=$mode rc=$?"
 done
 grep -h -E "^\| stage|Error" $R/*/throughput.md $R/*.log 2>/dev/null | cut -c1-200 | tail -40
+# Ray Train's own timing of each run's worker-group start, callback by callback (its controller's system log).
+for log in $(ls -tr /tmp/ray/session_*/logs/train/ray-train-sys-controller-*.log); do
+  echo "$log"; grep -h -E "worker actors created|after_worker_group_start callbacks completed" "$log"
+done > $R/worker-group-start.log
 cd $R && tar czf $OUT/$(basename $R).tgz --exclude='tune' --exclude='train' .
