@@ -4,8 +4,9 @@
 driver and in Ray Train's controller, which train nothing and start one after the other before any
 worker can (3-4 s of imports each on the H200; bench/README.md, cut 7). `LazyTorchConfig` sets up the
 very same backend, Ray Train's own `_TorchBackend` (process group, MASTER_ADDR, each rank's CUDA
-device), imported where it runs: the controller starts that import in a thread as it starts
-(`ImportTorchBackendEarly`), while its workers are created and import torch themselves.
+device), imported where it runs: the controller (by default in Tune's trial driver, cut 10) starts that
+import in a thread as it starts (`ImportTorchBackendEarly`), while its workers are created and import
+torch themselves.
 """
 from __future__ import annotations
 

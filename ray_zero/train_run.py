@@ -14,14 +14,18 @@ import time
 from typing import Any
 
 from ray.train import UserCallback
-from ray.train.v2._internal.execution.controller import TrainController
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.util.queue import Queue
 
-try:  # Ray Train's own module; a Ray without it keeps its trainer as it is
+# Ray Train's own modules; a Ray without one keeps that part of its trainer as it is.
+try:
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 except ImportError:
     PlacementGroupCleanerCallback = None
+try:
+    from ray.train.v2._internal.execution.controller import TrainController
+except ImportError:
+    TrainController = None
 
 from ray_zero.clock import process_started_at
 
@@ -89,10 +93,10 @@ class Trainer(DataParallelTrainer):
         """Ray Train starts its controller as an actor: a new process, whose Python, Ray and Ray Train
         modules take over a second to load before it can create any worker (bench/README.md, cut 10).
         Here the same controller runs its control loop in this process, Tune's trial driver, which has
-        them loaded already. It is this process's child as the actor was: its workers and placement
-        group are owned here and go with it. What differs: no TrainController in the Ray dashboard, and
+        them loaded already. The workers and the placement group it creates are owned by this process,
+        as the actor was, and go with it. What differs: no TrainController in the Ray dashboard, and
         its log lines come from the trial driver."""
-        if not self.controller_in_process:
+        if not self.controller_in_process or TrainController is None:
             return super()._initialize_and_run_controller(**controller_init_kwargs)
         controller = TrainController(**controller_init_kwargs)
         asyncio.run(controller.run())
