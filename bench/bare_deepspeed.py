@@ -11,6 +11,10 @@ Two switches make the bare run set up like a Ray Train worker, to find what a di
 launchers comes from: BARE_LAZY_PROCESS_GROUP=1 creates the NCCL process group without `device_id`
 (as Ray Train's TorchConfig does: communicators are created at the first collective), and
 BARE_TRAIN_THREAD=1 trains in a second thread (Ray Train runs the training function in one).
+Two more put Ray into the bare process: BARE_IMPORT_RAY=1 imports Ray, Ray Tune and Ray Train's torch
+module before torch (a Ray worker has them loaded first: twice the modules), and BARE_RAY_INIT=1 also
+starts a private Ray and connects this process to it as its driver (Ray's core worker and its threads
+in the process, as in a Ray worker), before training.
 """
 from __future__ import annotations
 
@@ -20,11 +24,16 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-import torch.distributed as dist
+if os.environ.get("BARE_IMPORT_RAY") == "1" or os.environ.get("BARE_RAY_INIT") == "1":
+    import ray  # noqa: F401  (before torch, as in a Ray worker)
+    import ray.train.torch  # noqa: F401
+    import ray.tune  # noqa: F401
 
-from ray_zero.clock import process_started_at
-from ray_zero.worker import train
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from ray_zero.clock import process_started_at  # noqa: E402
+from ray_zero.worker import train  # noqa: E402
 
 
 def main(trial_path: str, out_path: str) -> None:
@@ -41,11 +50,15 @@ def main(trial_path: str, out_path: str) -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     process_group_at = time.time()
+    if os.environ.get("BARE_RAY_INIT") == "1":
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     if os.environ.get("BARE_TRAIN_THREAD") == "1":
         with ThreadPoolExecutor(1) as pool:
             metrics = pool.submit(train, trial, rank, world_size, device).result()
     else:
         metrics = train(trial, rank, world_size, device)
+    if os.environ.get("BARE_RAY_INIT") == "1":
+        ray.shutdown()  # the process ends with os._exit, which would leave the private Ray running
     metrics.update(process_started_at=process_started_at(), imported_at=imported_at,
                    process_group_at=process_group_at)
     gathered = [None] * world_size

@@ -32,7 +32,10 @@ def main() -> None:
     use_gpu = torch.cuda.is_available()
     point = {"stage": args.stage, "micro_batch_size": args.micro_batch, "num_workers": args.workers}
     row = run_bare(experiment, point, "fp16" if use_gpu else "fp32", use_gpu, Path(tempfile.mkdtemp()))
-    print(f"{args.label}: {row['samples_per_s']:.1f} samples/s, timed {row['timed_s']:.2f} s, "
+    rank = row["per_rank"][0]
+    cpu_ms = 1000 * rank["timed_thread_cpu_s"] / rank["timed_steps"]
+    print(f"{args.label}: {row['samples_per_s']:.1f} samples/s, thread CPU {cpu_ms:.3f} ms a step, "
+          f"blocks {rank['timed_voluntary_switches'] / rank['timed_steps']:.3f} a step, timed {row['timed_s']:.2f} s, "
           f"wall {row['wall_s']:.1f} s, timed steps from {row['finished_at'] - row['timed_s']:.1f} "
           f"to {row['finished_at']:.1f}", flush=True)
 
