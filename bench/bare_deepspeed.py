@@ -24,7 +24,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-if os.environ.get("BARE_IMPORT_RAY") == "1" or os.environ.get("BARE_RAY_INIT") == "1":
+RAY_INIT = os.environ.get("BARE_RAY_INIT") == "1"
+if RAY_INIT or os.environ.get("BARE_IMPORT_RAY") == "1":
     import ray  # noqa: F401  (before torch, as in a Ray worker)
     import ray.train.torch  # noqa: F401
     import ray.tune  # noqa: F401
@@ -50,14 +51,14 @@ def main(trial_path: str, out_path: str) -> None:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     process_group_at = time.time()
-    if os.environ.get("BARE_RAY_INIT") == "1":
+    if RAY_INIT:
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     if os.environ.get("BARE_TRAIN_THREAD") == "1":
         with ThreadPoolExecutor(1) as pool:
             metrics = pool.submit(train, trial, rank, world_size, device).result()
     else:
         metrics = train(trial, rank, world_size, device)
-    if os.environ.get("BARE_RAY_INIT") == "1":
+    if RAY_INIT:
         ray.shutdown()  # the process ends with os._exit, which would leave the private Ray running
     metrics.update(process_started_at=process_started_at(), imported_at=imported_at,
                    process_group_at=process_group_at)

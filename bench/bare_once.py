@@ -15,7 +15,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 import torch  # noqa: E402
 
-from bench import run_bare  # noqa: E402
+from bench import run_bare, thread_figures  # noqa: E402
 from ray_zero.config import load_experiment  # noqa: E402
 
 
@@ -32,10 +32,9 @@ def main() -> None:
     use_gpu = torch.cuda.is_available()
     point = {"stage": args.stage, "micro_batch_size": args.micro_batch, "num_workers": args.workers}
     row = run_bare(experiment, point, "fp16" if use_gpu else "fp32", use_gpu, Path(tempfile.mkdtemp()))
-    rank = row["per_rank"][0]
-    cpu_ms = 1000 * rank["timed_thread_cpu_s"] / rank["timed_steps"]
-    print(f"{args.label}: {row['samples_per_s']:.1f} samples/s, thread CPU {cpu_ms:.3f} ms a step, "
-          f"blocks {rank['timed_voluntary_switches'] / rank['timed_steps']:.3f} a step, timed {row['timed_s']:.2f} s, "
+    thread = thread_figures(row["per_rank"])  # the rank whose training thread fared worst
+    print(f"{args.label}: {row['samples_per_s']:.1f} samples/s, thread CPU {thread['thread_cpu_ms_per_step']:.3f} ms "
+          f"a step, blocks {thread['thread_blocks_per_step']:.3f} a step, timed {row['timed_s']:.2f} s, "
           f"wall {row['wall_s']:.1f} s, timed steps from {row['finished_at'] - row['timed_s']:.1f} "
           f"to {row['finished_at']:.1f}", flush=True)
 

@@ -13,11 +13,6 @@ import re
 import sys
 
 
-def seconds(clock: str) -> float:
-    hours, minutes, secs = clock.split(":")
-    return int(hours) * 3600 + int(minutes) * 60 + float(secs)
-
-
 def wakers(trace_path: str, tid: str, names: dict[str, str]) -> tuple[collections.Counter, int]:
     pending: dict[str, tuple[str, str]] = {}  # thread -> (futex address, operation) of an unfinished call
     last_wake: dict[str, str] = {}  # futex address -> the thread that last woke a waiter on it

@@ -18,10 +18,13 @@ run() {   # $1: variant, $2: round
            --output $R/ray-$2 > $R/ray-$2.log 2>&1
          python3 - "$R/ray-$2/per_rank.csv" "$2" <<'PY'
 import sys, pandas as pd
-r = pd.read_csv(sys.argv[1]).iloc[0]
-print(f"round {sys.argv[2]} ray_zero: {r.samples_per_s:.1f} samples/s, thread CPU "
-      f"{1000 * r.timed_thread_cpu_s / r.timed_steps:.3f} ms a step, blocks "
-      f"{r.timed_voluntary_switches / r.timed_steps:.3f} a step, timed {r.timed_s:.2f} s")
+sys.path.insert(0, "bench")
+from bench import thread_figures
+ranks = pd.read_csv(sys.argv[1]).to_dict("records")
+thread = thread_figures(ranks)
+print(f"round {sys.argv[2]} ray_zero: {ranks[0]['samples_per_s']:.1f} samples/s, thread CPU "
+      f"{thread['thread_cpu_ms_per_step']:.3f} ms a step, blocks {thread['thread_blocks_per_step']:.3f} a step, "
+      f"timed {ranks[0]['timed_s']:.2f} s")
 PY
          ;;
   esac
