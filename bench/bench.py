@@ -112,7 +112,12 @@ def thread_figures(per_rank: list[dict]) -> dict:
             "thread_ghz": worst("timed_thread_cycles", "timed_thread_cpu_s", 1e-9, pick=min),
             **{f"{phase}_ms_per_step": worst(f"timed_{phase}_s", "timed_steps", 1e3)
                for phase in ("forward", "backward", "optimizer_step", "other")},
-            "torch_threads": per_rank[0].get("torch_threads")}
+            "torch_threads": per_rank[0].get("torch_threads"),
+            "thread_migrations_per_s": worst("timed_thread_migrations", "timed_s"),
+            # RAY_ZERO_SPEED_PROBE=1 (ray_zero/speed_probe.py): fixed work, timed in the process after training.
+            **{name: max((r[name] for r in per_rank if r.get(name) is not None), default=None)
+               for name in ("probe_python_loop_ms", "probe_dispatch_us", "probe_gather_ms", "probe_anon_huge_mib",
+                            "probe_rss_mib")}}
 
 
 def _phases(marks: dict[str, float], phases) -> dict[str, float]:
@@ -430,9 +435,9 @@ def main() -> None:
         lines.append("- each ray_zero run: a private Ray with room for exactly its one trial"
                      + (f" ({os.environ['BENCH_RAY_CPUS']} CPUs: BENCH_RAY_CPUS)" if "BENCH_RAY_CPUS" in os.environ else ""))
         lines.append(f"- cpus this benchmark and its children may use: {_affinity()}")
-        switches = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("BARE_"))
-        if switches:  # bare_deepspeed.py's set-up switches, inherited by every bare run
-            lines.append(f"- bare runs with: {' '.join(switches)}")
+        switches = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("BARE_") or k == "RAY_ZERO_SPEED_PROBE")
+        if switches:  # bare_deepspeed.py's set-up switches and the speed probe, inherited by every run
+            lines.append(f"- runs with: {' '.join(switches)}")
         if args.side_by_side:
             lines.append("- side by side: bare and ray_zero at the same time, each on a GPU of its own (swapped "
                          "every repeat); `timed_overlap` is the share of the timed steps that ran together")

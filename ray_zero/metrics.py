@@ -234,6 +234,18 @@ def thread_scheduling(tid: int | None = None, pid: int | None = None) -> tuple[f
     return run_queue_ns / 1e9, voluntary
 
 
+def thread_migrations() -> int | None:
+    """How often the scheduler has moved the calling thread to another CPU (its caches left behind),
+    from Linux's /proc (kernels with scheduler statistics); None elsewhere."""
+    try:
+        for line in Path("/proc/thread-self/sched").read_text().splitlines():
+            if line.startswith("se.nr_migrations"):
+                return int(line.split(":")[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def _stat_fields(thread: Path) -> list[str]:
     """A thread's /proc stat fields after its name (which may hold spaces and parentheses): [7] minor
     faults, [11] user and [12] kernel CPU time, in clock ticks."""
@@ -299,6 +311,7 @@ class StepTimer:
         self.gc_s = 0.0
         self.run_queue_s: float | None = None
         self.voluntary_switches: int | None = None
+        self.migrations: int | None = None
         self.thread_system_s: float | None = None
         self.minor_faults: int | None = None
         self.other_threads_cpu_s: float | None = None
@@ -314,6 +327,7 @@ class StepTimer:
         self._thread_cpu_started = 0.0
         self._kernel_started: tuple[float, int] | None = None
         self._sched_started: tuple[float, int] | None = None
+        self._migrations_started: int | None = None
         self._gc_began: float | None = None
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -327,6 +341,7 @@ class StepTimer:
         synchronize(self.device)
         gc.callbacks.append(self._on_gc)
         self._sched_started = thread_scheduling()
+        self._migrations_started = thread_migrations()
         self._kernel_started = thread_system_time_and_faults()
         self._threads_started = threads_cpu_s()
         self._counters = ThreadCounters.open()
@@ -357,6 +372,9 @@ class StepTimer:
             if self._sched_started and ended:
                 self.run_queue_s = ended[0] - self._sched_started[0]
                 self.voluntary_switches = ended[1] - self._sched_started[1]
+            migrations = thread_migrations()
+            if self._migrations_started is not None and migrations is not None:
+                self.migrations = migrations - self._migrations_started
             kernel_ended = thread_system_time_and_faults()
             if self._kernel_started and kernel_ended:
                 self.thread_system_s = kernel_ended[0] - self._kernel_started[0]

@@ -25,6 +25,7 @@ from ray_zero.ds_config import build_ds_config
 from ray_zero.metrics import MemoryProbe, StepTimer, model_state_bytes, peak_tflops, synchronize
 from ray_zero.model import build_model
 from ray_zero.sizes import PRESETS
+from ray_zero import speed_probe
 
 ProgressFn = Callable[[int, dict[str, float]], None]
 # Live figures go to the caller at most this often: Ray exports gauges every 10 s (metrics_report_interval_ms),
@@ -263,6 +264,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
             window_started, window_step = now, step + 1
     timed_s = timer.stop()
     timed_peak = probe.peak()
+    speed = speed_probe.measure() if speed_probe.wanted() else {}  # a diagnosis, off by default
     marks["finished_at"] = time.time()
     set_phase("finish")
 
@@ -295,6 +297,7 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
         "timed_gc_s": timer.gc_s,  # Python's garbage collector in the timed steps
         "timed_run_queue_s": timer.run_queue_s,  # the training thread runnable, waiting for a core
         "timed_voluntary_switches": timer.voluntary_switches,  # times it blocked (GIL, device, I/O)
+        "timed_thread_migrations": timer.migrations,  # times the scheduler moved it to another CPU
         "model_build_s": marks["model_built_at"] - marks["train_started_at"],
         "data_load_s": marks["data_loaded_at"] - marks["model_built_at"],
         "initialize_s": marks["initialized_at"] - marks["data_loaded_at"],
@@ -325,4 +328,5 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
     result.update({f"memory_{k}_gib": v for k, v in timeline.items()})
     result.update(marks)
     result.update(states)
+    result.update(speed)
     return result
