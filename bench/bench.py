@@ -345,6 +345,9 @@ def throughput(experiment, output: Path, repeats: int, side_by_side: bool = Fals
                             "bare_overhead_s": bare["wall_s"] - bare["timed_s"],
                             "ray_zero_first_trial_overhead_s": ray_side["tune_wall_s"] - ray_side["timed_s"],
                             "timed_overlap": timed_overlap((bare_start, bare_end), (ray_start, ray_end)),
+                            # Epoch seconds: to read a host-speed trace (bench/speed_monitor.py) over each run.
+                            "bare_timed_from": bare_start, "bare_timed_to": bare_end,
+                            "ray_zero_timed_from": ray_start, "ray_zero_timed_to": ray_end,
                             **{f"{side}_{k}": v for side, row in (("bare", bare), ("ray_zero", ray_side))
                                for k, v in thread_figures(row["per_rank"]).items()},
                             **{f"{side}_{k}": v for side, row in (("bare", bare), ("ray_zero", ray_side))

@@ -264,8 +264,8 @@ def _train(experiment: Experiment, point: dict, trial: dict, rank: int, world_si
             window_started, window_step = now, step + 1
     timed_s = timer.stop()
     timed_peak = probe.peak()
-    speed = speed_probe.measure() if speed_probe.wanted() else {}  # a diagnosis, off by default
     marks["finished_at"] = time.time()
+    speed = speed_probe.measure() if speed_probe.wanted() else {}  # a diagnosis, off by default
     set_phase("finish")
 
     timed_steps = total_steps - experiment.warmup_steps
