@@ -1,14 +1,17 @@
-"""Trace how fast this machine runs a fixed piece of pure Python, over time: on the lent GPU VMs the
-same work runs up to 2x slower from one minute to the next (bench/results/host-speed-h200x1), in a rank
-and in a plain process alike, which no counter there shows (no steal time, no perf).
+"""Trace how fast one CPU of this machine runs a fixed piece of pure Python, over time.
 
     taskset -c 15 python bench/speed_monitor.py OUT.csv &     # until killed
-    python bench/speed_monitor.py --analyse OUT.csv THROUGHPUT.csv   # each run's host speed
+    python bench/speed_monitor.py OUT.csv --analyse THROUGHPUT.csv   # beside bench.py's pairs
 
 Each sample times 200,000 loop iterations (several ms), then sleeps 40 ms, so that the monitor takes
 about a sixth of one CPU; a line per sample: epoch seconds at its middle, ms it took. `--analyse` adds to
 each pair of bench/bench.py's throughput table the monitor's median ms over each run's timed steps and
 the samples/s ratio corrected by them (each run's samples/s times its monitor ms, over the other's).
+
+On the lent GPU VMs (bench/results/host-speed-h200x1) it showed each vCPU switching on its own between
+two speeds about 1.8x apart within a second; so a monitor on one CPU does not follow a run on another
+(r = 0.08 and 0.31 there), and the correction does not hold there. It holds only where the machine's
+speed changes as a whole.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """How fast this process runs fixed work that has nothing to do with training: a diagnosis, off unless
-RAY_ZERO_SPEED_PROBE=1 (bench/bench.py sets it for both launchers with --speed-probe).
+RAY_ZERO_SPEED_PROBE=1 (set it where bench/bench.py runs: the ranks of both launchers inherit it).
 
 On the lent GPU VMs a host-bound step's CPU time varies by whole runs (bare alone 1.23x between runs of
-one call), and a Ray rank's runs are more often slow (bench/README.md, "Still open"). Run in the thread
-that trained, right after the timed steps, these tell a process that runs everything slower (the same
+one call), and over many pairs a Ray rank was a few per cent slower (bench/README.md, "Still open").
+Run in the thread that trained, right after the timed steps, these tell a process that runs everything slower (the same
 figures slow too) from one whose training alone is slower, and which resource it is:
 
 - python_loop_ms: a pure-Python loop (the interpreter, in the core's caches);
@@ -11,7 +11,9 @@ figures slow too) from one whose training alone is slower, and which resource it
 - gather_ms: random reads over 256 MiB of this process's memory (memory latency: where its pages lie);
 
 each the best of five, in ms (us for one op). Also the process's memory in transparent huge pages,
-and its resident size.
+and its resident size. On the lent H200 VMs the loop fell into two groups, about 30 and 45-68 ms, in
+ranks and plain processes alike, and the training thread's CPU time a step moved with it: each vCPU
+switches between two speeds (bench/results/host-speed-h200x1).
 """
 from __future__ import annotations
 

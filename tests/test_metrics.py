@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 
+import pytest
 import torch
 
 from ray_zero.metrics import StepTimer
@@ -111,3 +112,31 @@ def test_step_timer_tells_waiting_for_a_core_from_blocking():
     assert timer.voluntary_switches >= 20
     assert timer.run_queue_s > 0.2  # on one core with a busy rival, about as long as it ran
     assert timer.thread_cpu_s + timer.run_queue_s <= timer.elapsed_s + 0.01
+
+
+def test_step_timer_counts_the_training_threads_moves_between_cpus():
+    """Pinned to one CPU, then another, the thread must move once at least: Linux's count of it."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: nowhere to move to")
+    timer = StepTimer(torch.device("cpu"))
+    timer.start()
+    try:
+        for cpu in (cpus[0], cpus[1], cpus[0]):
+            os.sched_setaffinity(0, {cpu})  # this thread only (Linux)
+            sum(range(200_000))
+    finally:
+        os.sched_setaffinity(0, cpus)
+    timer.stop()
+    assert timer.migrations is not None and timer.migrations >= 1
+
+
+def test_speed_probe_times_fixed_work_and_reads_the_process_memory():
+    from ray_zero import speed_probe
+
+    figures = speed_probe.measure()
+    assert 0 < figures["probe_python_loop_ms"] < 5_000
+    assert 0 < figures["probe_dispatch_us"] < 10_000
+    assert 0 < figures["probe_gather_ms"] < 10_000
+    assert figures["probe_rss_mib"] >= 256  # its 256 MiB of random-read memory is resident when it reads
+    assert figures["probe_anon_huge_mib"] >= 0
