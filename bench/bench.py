@@ -438,7 +438,8 @@ def main() -> None:
         lines.append("- each ray_zero run: a private Ray with room for exactly its one trial"
                      + (f" ({os.environ['BENCH_RAY_CPUS']} CPUs: BENCH_RAY_CPUS)" if "BENCH_RAY_CPUS" in os.environ else ""))
         lines.append(f"- cpus this benchmark and its children may use: {_affinity()}")
-        switches = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("BARE_") or k == "RAY_ZERO_SPEED_PROBE")
+        switches = sorted(f"{k}={v}" for k, v in os.environ.items()
+                          if k.startswith("BARE_") or k == "RAY_ZERO_SPEED_PROBE")
         if switches:  # bare_deepspeed.py's set-up switches and the speed probe, inherited by every run
             lines.append(f"- runs with: {' '.join(switches)}")
         if args.side_by_side:

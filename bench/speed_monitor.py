@@ -58,7 +58,8 @@ def analyse(trace: Path, table: Path) -> None:
                "bare_thread_cpu_ms_per_step", "ray_zero_thread_cpu_ms_per_step", "bare_monitor_ms",
                "ray_zero_monitor_ms", "monitor_ratio", "corrected_ratio"]
     print(runs[columns].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    both = pd.DataFrame({"cpu_ms": pd.concat([runs.bare_thread_cpu_ms_per_step, runs.ray_zero_thread_cpu_ms_per_step]),
+    both = pd.DataFrame({"cpu_ms": pd.concat([runs.bare_thread_cpu_ms_per_step,
+                                              runs.ray_zero_thread_cpu_ms_per_step]),
                          "monitor_ms": pd.concat([runs.bare_monitor_ms, runs.ray_zero_monitor_ms])})
     print(f"\ncorrelation of a run's training-thread CPU ms a step with the monitor's ms (all runs): "
           f"{both.cpu_ms.corr(both.monitor_ms):.3f}")

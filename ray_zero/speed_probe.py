@@ -3,8 +3,8 @@ RAY_ZERO_SPEED_PROBE=1 (set it where bench/bench.py runs: the ranks of both laun
 
 On the lent GPU VMs a host-bound step's CPU time varies by whole runs (bare alone 1.23x between runs of
 one call), and over many pairs a Ray rank was a few per cent slower (bench/README.md, "Still open").
-Run in the thread that trained, right after the timed steps, these tell a process that runs everything slower (the same
-figures slow too) from one whose training alone is slower, and which resource it is:
+Run in the thread that trained, right after the timed steps, these tell a process that runs everything
+slower (the same figures slow too) from one whose training alone is slower, and which resource it is:
 
 - python_loop_ms: a pure-Python loop (the interpreter, in the core's caches);
 - dispatch_us: one small torch CPU op (torch's dispatcher, as a host-bound step's launches);
