@@ -20,20 +20,17 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ray_zero.speed_probe import python_loop  # noqa: E402
+
 LOOP = 200_000
-
-
-def _work() -> None:
-    total = 0
-    for i in range(LOOP):
-        total += i
 
 
 def monitor(path: Path) -> None:
     with path.open("a", buffering=1) as out:
         while True:
             started = time.perf_counter()
-            _work()
+            python_loop(LOOP)
             took = time.perf_counter() - started
             out.write(f"{time.time() - took / 2:.3f},{took * 1e3:.3f}\n")
             time.sleep(0.04)

@@ -11,20 +11,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ray_zero.speed_probe import best_ms, python_loop  # noqa: E402
 
 LOOP = 200_000
-
-
-def _best_ms(repeats: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        total = 0
-        for i in range(LOOP):
-            total += i
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
 
 
 def _busy(cpu: int, stop) -> None:
@@ -38,7 +32,7 @@ def _busy(cpu: int, stop) -> None:
 def _measure_on(cpu: int) -> float:
     os.sched_setaffinity(0, {cpu})
     time.sleep(0.002)  # let the move happen
-    return _best_ms()
+    return best_ms(lambda: python_loop(LOOP), repeats=3)
 
 
 def main() -> None:

@@ -21,8 +21,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
 ENV = "RAY_ZERO_SPEED_PROBE"
 
 
@@ -30,7 +28,8 @@ def wanted() -> bool:
     return os.environ.get(ENV) == "1"
 
 
-def _best_ms(work, repeats: int = 5) -> float:
+def best_ms(work, repeats: int = 5) -> float:
+    """The shortest of `repeats` timings of `work()`, in ms."""
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
@@ -39,9 +38,11 @@ def _best_ms(work, repeats: int = 5) -> float:
     return best * 1e3
 
 
-def _python_loop() -> None:
+def python_loop(iterations: int = 1_000_000) -> None:
+    """Fixed pure-Python work: the interpreter alone, in the core's caches (no torch: the bench's CPU
+    tracers, bench/speed_monitor.py and bench/vcpu_map.py, time it too)."""
     total = 0
-    for i in range(1_000_000):
+    for i in range(iterations):
         total += i
 
 
@@ -57,6 +58,8 @@ def _smaps_rollup_mib() -> dict[str, float | None]:
 
 def measure() -> dict[str, float | None]:
     """The figures above, prefixed probe_; about 1 s of this thread's time."""
+    import torch  # here: the loop above serves processes without torch
+
     small = torch.ones(16)
     ops = 2_000
 
@@ -68,9 +71,9 @@ def measure() -> dict[str, float | None]:
     generator = torch.Generator().manual_seed(0)
     indices = torch.randint(0, memory.numel(), (2 * 2**20,), generator=generator)
     figures = {
-        "python_loop_ms": _best_ms(_python_loop),
-        "dispatch_us": _best_ms(dispatch) * 1e3 / ops,
-        "gather_ms": _best_ms(lambda: memory[indices].sum()),
+        "python_loop_ms": best_ms(python_loop),
+        "dispatch_us": best_ms(dispatch) * 1e3 / ops,
+        "gather_ms": best_ms(lambda: memory[indices].sum()),
         **_smaps_rollup_mib(),
     }
     del memory, indices
