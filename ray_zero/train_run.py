@@ -1,6 +1,6 @@
-"""What a trial hands to Ray Train: each worker's entry point, the controller's callback that
-forwards every rank's report to the trial, and the trainer that runs its controller in the trial's own
-process and ends its run without a 1 s wait.
+"""What a trial hands to Ray Train: each worker's entry point, the controller's callbacks that forward
+every rank's report and each failed attempt to the trial, and the trainer that runs its controller in the
+trial's own process, stops a worker group whose start failed, and ends its run without a 1 s wait.
 
 No torch at import: Ray Train's controller unpickles this module, and Tune's trial driver imports it,
 neither of which trains (bench/README.md, cut 7); the entry point imports torch on the worker.
@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from ray.train import UserCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.util.queue import Queue
 
@@ -24,8 +25,9 @@ except ImportError:
     PlacementGroupCleanerCallback = None
 try:
     from ray.train.v2._internal.execution.controller import TrainController
+    from ray.train.v2._internal.execution.worker_group import WorkerGroup
 except ImportError:
-    TrainController = None
+    TrainController = WorkerGroup = None
 
 from ray_zero.clock import process_started_at
 
@@ -44,7 +46,7 @@ def one_line_reason(error: BaseException) -> str:
 
 class AllRanksCallback(UserCallback):
     """Runs on the Train controller: puts every rank's report (a list in rank order, with the
-    controller's process id), and each failed attempt of the worker group, on the trial's queue."""
+    controller's process id) on the trial's queue."""
 
     def __init__(self, queue: Queue):
         self.queue = queue
@@ -52,8 +54,17 @@ class AllRanksCallback(UserCallback):
     def after_report(self, run_context, metrics, checkpoint):
         self.queue.put(("report", {"ranks": list(metrics), "controller_pid": os.getpid()}))
 
-    def after_exception(self, run_context, worker_exceptions):
-        self.queue.put(("failure", {rank: one_line_reason(error) for rank, error in worker_exceptions.items()}))
+
+class FailedAttemptsCallback(ControllerCallback):
+    """Runs on the Train controller: puts each failed attempt of the worker group on the trial's queue,
+    whether a worker failed while training or while the group was starting (a worker killed as it
+    started: Ray Train's user callbacks hear only of the former)."""
+
+    def __init__(self, queue: Queue):
+        self.queue = queue
+
+    def before_controller_execute_failure_decision(self, failure_decision) -> None:
+        self.queue.put(("failure", failure_decision.value))  # retry, or raise after the last attempt
 
 
 if PlacementGroupCleanerCallback is not None:
@@ -75,9 +86,39 @@ else:
     StopCleanerWithoutWaiting = None
 
 
+if TrainController is not None:
+    class WorkerGroupStoppedIfStartFails(WorkerGroup):
+        """Ray Train's worker group, stopped (actors killed, placement group removed) when its start fails
+        after its workers exist.
+
+        Ray Train 2.60 cleans up a start that fails before then, but not one that fails in the backend's
+        set-up or as the training function is launched, as when a worker is killed while it starts:
+        `WorkerGroup.create` raises, the controller never holds the group and never stops it, and its
+        placement group stays reserved while the controller's process lives. Here that process is Tune's
+        trial driver, reused for the whole sweep, and the retry waited for the reserved CPUs or GPUs until
+        the trial's start timeout (24 h): a sweep that never ended (tests/test_faults.py)."""
+
+        def _start(self) -> None:
+            try:
+                super()._start()
+            except Exception:
+                if self.has_started():
+                    self._worker_group_state.shutdown()
+                    self._clear_state()
+                raise
+
+    class InProcessTrainController(TrainController):
+        """Ray Train's controller, with a worker group that is stopped if its start fails."""
+
+        worker_group_cls = WorkerGroupStoppedIfStartFails
+else:
+    InProcessTrainController = None
+
+
 class Trainer(DataParallelTrainer):
     """Ray Train's DataParallelTrainer with its controller in the calling process (unless
-    `controller_in_process` is false) and its placement-group cleaner stopped without waiting."""
+    `controller_in_process` is false: Ray Train's own controller actor, as it is) and its placement-group
+    cleaner stopped without waiting."""
 
     def __init__(self, *args, controller_in_process: bool = True, **kwargs):
         self.controller_in_process = controller_in_process
@@ -96,9 +137,9 @@ class Trainer(DataParallelTrainer):
         them loaded already. The workers and the placement group it creates are owned by this process,
         as the actor was, and go with it. What differs: no TrainController in the Ray dashboard, and
         its log lines come from the trial driver."""
-        if not self.controller_in_process or TrainController is None:
+        if not self.controller_in_process or InProcessTrainController is None:
             return super()._initialize_and_run_controller(**controller_init_kwargs)
-        controller = TrainController(**controller_init_kwargs)
+        controller = InProcessTrainController(**controller_init_kwargs)
         asyncio.run(controller.run())
         return controller.get_result()
 

@@ -22,7 +22,8 @@ from ray_zero.config import Experiment
 from ray_zero.report import join_storage
 from ray_zero.rows import aggregate_ranks, base_row, finish_row
 from ray_zero.torch_backend import ImportTorchBackendEarly, LazyTorchConfig
-from ray_zero.train_run import AllRanksCallback, Trainer, one_line_reason, train_loop_per_worker
+from ray_zero.train_run import (AllRanksCallback, FailedAttemptsCallback, Trainer, one_line_reason,
+                                train_loop_per_worker)
 
 
 def _out_of_memory(error: BaseException) -> dict | None:
@@ -93,8 +94,12 @@ def run_trial(config: dict[str, Any]) -> None:
                                      resources_per_worker=resources,
                                      placement_strategy=experiment.placement_strategy),
         run_config=RunConfig(name=context.get_trial_id(), storage_path=join_storage(config["storage_path"], "train"),
-                             failure_config=FailureConfig(max_failures=experiment.max_failures),
-                             callbacks=[AllRanksCallback(queue), ImportTorchBackendEarly()],
+                             # A worker that dies while the group starts is a failure of the controller to
+                             # Ray Train, retried without limit by default: here as often as a failed worker.
+                             failure_config=FailureConfig(max_failures=experiment.max_failures,
+                                                          controller_failure_limit=experiment.max_failures),
+                             callbacks=[AllRanksCallback(queue), FailedAttemptsCallback(queue),
+                                        ImportTorchBackendEarly()],
                              # Read by each worker's Ray core as it starts (Ray's job supervisor does the same).
                              worker_runtime_env={"env_vars": {"RAY_worker_niceness": str(experiment.worker_niceness)}}),
     )

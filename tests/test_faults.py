@@ -46,6 +46,14 @@ def test_killed_worker_is_retried_then_recorded_as_failed(ray_instance, tmp_path
     assert healthy["status"] == "ok" and healthy["attempts"] == 1
 
 
+def _placed_worker_groups() -> list[str]:
+    """Placement groups that hold CPUs now (a Ray Train worker group's; Tune's trial holds only memory)."""
+    from ray.util.placement_group import placement_group_table
+
+    return [pg_id for pg_id, pg in placement_group_table().items()
+            if pg["state"] == "CREATED" and any("CPU" in bundle for bundle in pg["bundles"].values())]
+
+
 def _train_workers() -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["cmdline"]):
@@ -54,21 +62,32 @@ def _train_workers() -> list[psutil.Process]:
     return found
 
 
-def test_worker_killed_from_outside_is_retried(ray_instance, tmp_path):
-    experiment = _quick("steps=300", "warmup_steps=2", "grid.stage=[1]", "grid.num_workers=[1]", "max_failures=1")
+def test_worker_killed_from_outside_as_it_starts_is_retried(ray_instance, tmp_path):
+    # Killed as soon as its process appears, while Ray Train starts the worker group (actor, train
+    # context, process group): Ray Train kept that group's placement group, and the retry waited for its
+    # CPU for ever; and a failed start was not counted as an attempt.
+    experiment = _quick("steps=20", "warmup_steps=2", "grid.stage=[1]", "grid.num_workers=[1]", "max_failures=1")
     result: dict = {}
-    sweep = threading.Thread(target=lambda: result.update(frame=run_sweep(experiment, tmp_path, command="pytest kill")))
+    sweep = threading.Thread(target=lambda: result.update(frame=run_sweep(experiment, tmp_path, command="pytest kill")),
+                             daemon=True)
     sweep.start()
     victim = None
     deadline = time.time() + 120
     while victim is None and time.time() < deadline:
         workers = _train_workers()
         victim = workers[0] if workers else None
-        time.sleep(0.5)
+        time.sleep(0.05)
     assert victim is not None, "no Ray Train worker process appeared"
-    time.sleep(4)  # let it get into training
     victim.send_signal(signal.SIGKILL)
-    sweep.join(timeout=300)
+    retried = None
+    while retried is None and sweep.is_alive():
+        retried = next((w for w in _train_workers() if w.pid != victim.pid), None)
+        time.sleep(0.05)
+    # The retried group's workers exist, so its placement group is placed: the failed one's is gone.
+    assert retried is not None, "no worker of a retried group appeared"
+    assert len(_placed_worker_groups()) == 1
+    sweep.join(timeout=240)
+    assert not sweep.is_alive(), "the sweep did not end within 240 s of the kill"
     row = result["frame"].iloc[0]
     assert row["status"] == "ok" and row["attempts"] == 2
     ranks = pd.read_csv(tmp_path / "per_rank.csv")

@@ -1,0 +1,74 @@
+"""Kill a trial's Ray Train worker from outside at chosen moments of its start, and print what came of
+each trial: its status, its attempts and how long the sweep took. One private Ray with 2 CPUs, one
+1-worker stage-1 trial of quick.yaml at a time (each worker reserves one CPU, so a placement group that
+a failed start leaves reserved shows as a retry that never ends once two have leaked).
+
+    python bench/kill_timing.py 0 0.3 1 2 3 5     # seconds after the worker process appears
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import ray
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from ray_zero.config import load_experiment  # noqa: E402
+from ray_zero.sweep import run_sweep  # noqa: E402
+
+
+def train_worker() -> psutil.Process | None:
+    for process in psutil.process_iter(["cmdline"]):
+        if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
+            return process
+    return None
+
+
+def kill_after(delay_s: float, steps: int, patience_s: float) -> str:
+    experiment = load_experiment(ROOT / "experiments" / "quick.yaml", [
+        f"steps={steps}", "warmup_steps=2", "grid.stage=[1]", "grid.num_workers=[1]", "max_failures=1"])
+    result: dict = {}
+    started = time.time()
+    sweep = threading.Thread(target=lambda: result.update(
+        frame=run_sweep(experiment, Path(tempfile.mkdtemp()), command="bench kill_timing")), daemon=True)
+    sweep.start()
+    victim = None
+    while victim is None and time.time() - started < 120:
+        victim = train_worker()
+        time.sleep(0.05)
+    if victim is None:
+        return "no worker process appeared in 120 s"
+    appeared = time.time() - started
+    time.sleep(delay_s)
+    victim.send_signal(signal.SIGKILL)
+    sweep.join(timeout=patience_s)
+    if sweep.is_alive():
+        return f"worker appeared at {appeared:.1f} s, killed {delay_s} s later: no end within {patience_s:.0f} s"
+    row = result["frame"].iloc[0]
+    return (f"worker appeared at {appeared:.1f} s, killed {delay_s} s later: {row['status']}, "
+            f"{row['attempts']} attempts, sweep {time.time() - started:.1f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("delays", nargs="+", type=float, help="seconds after the worker process appears")
+    parser.add_argument("--steps", type=int, default=300, help="steps a trial trains (long enough to kill it in)")
+    parser.add_argument("--patience", type=float, default=300, help="seconds to wait for a sweep to end")
+    args = parser.parse_args()
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    for delay in args.delays:
+        outcome = kill_after(delay, args.steps, args.patience)
+        print(outcome, flush=True)
+        if "no end" in outcome:
+            break  # the hung sweep holds the CPUs: later trials would wait as well
+
+
+if __name__ == "__main__":
+    main()
