@@ -144,9 +144,12 @@ class Experiment(_Strict):
     """Run each trial's Ray Train controller in its Tune driver process instead of a new actor process:
     Tune's driver already has Python, Ray and Ray Train loaded (it is reused from trial to trial), and
     a new controller process spends over a second on them before any worker can start (bench/README.md,
-    cut 10). false starts Ray Train's own controller actor (TrainController in the Ray dashboard)."""
+    cut 10). false starts Ray Train's own controller actor (TrainController in the Ray dashboard), which
+    keeps a worker group whose start failed (a worker died as it started) reserved until the run ends,
+    so that on a full machine its retry waits (ray_zero/train_run.py)."""
     max_failures: int = Field(default=0, ge=0)
-    """Retries of a trial whose worker dies, before it is recorded as failed."""
+    """Retries of a trial whose worker dies (while training, or while its worker group starts), before it
+    is recorded as failed."""
     storage_path: Optional[str] = None
     """Where Tune and Train keep run state: a local or shared folder, or a URI such as s3://bucket/path
     (defaults to the output folder). Must be reachable from every node on a multi-node cluster."""
