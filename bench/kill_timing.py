@@ -1,9 +1,11 @@
 """Kill a trial's Ray Train worker from outside at chosen moments of its start, and print what came of
 each trial: its status, its attempts and how long the sweep took. One private Ray with 2 CPUs, one
-1-worker stage-1 trial of quick.yaml at a time (each worker reserves one CPU, so a placement group that
-a failed start leaves reserved shows as a retry that never ends once two have leaked).
+stage-1 trial of quick.yaml at a time, each worker reserving one CPU: a placement group that a failed
+start leaves reserved shows as a retry that never ends: after the second such start with 1 worker,
+after the first with 2.
 
-    python bench/kill_timing.py 0 0.3 1 2 3 5     # seconds after the worker process appears
+    python bench/kill_timing.py 0 0.3 1 2 3 5     # seconds after the (first) worker process appears
+    python bench/kill_timing.py --workers 2 0 1 2
 """
 from __future__ import annotations
 
@@ -31,9 +33,9 @@ def train_worker() -> psutil.Process | None:
     return None
 
 
-def kill_after(delay_s: float, steps: int, patience_s: float) -> str:
+def kill_after(delay_s: float, steps: int, patience_s: float, workers: int) -> str:
     experiment = load_experiment(ROOT / "experiments" / "quick.yaml", [
-        f"steps={steps}", "warmup_steps=2", "grid.stage=[1]", "grid.num_workers=[1]", "max_failures=1"])
+        f"steps={steps}", "warmup_steps=2", "grid.stage=[1]", f"grid.num_workers=[{workers}]", "max_failures=1"])
     result: dict = {}
     started = time.time()
     sweep = threading.Thread(target=lambda: result.update(
@@ -61,10 +63,12 @@ def main() -> None:
     parser.add_argument("delays", nargs="+", type=float, help="seconds after the worker process appears")
     parser.add_argument("--steps", type=int, default=300, help="steps a trial trains (long enough to kill it in)")
     parser.add_argument("--patience", type=float, default=300, help="seconds to wait for a sweep to end")
+    parser.add_argument("--workers", type=int, default=1, choices=(1, 2),
+                        help="workers of the trial (2: one of them is killed; a leaked group holds both CPUs)")
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     for delay in args.delays:
-        outcome = kill_after(delay, args.steps, args.patience)
+        outcome = kill_after(delay, args.steps, args.patience, args.workers)
         print(outcome, flush=True)
         if "no end" in outcome:
             break  # the hung sweep holds the CPUs: later trials would wait as well
