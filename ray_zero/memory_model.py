@@ -1,30 +1,32 @@
-"""Predicted memory per rank for ZeRO stages 0-3: the ZeRO paper's formula and what DeepSpeed allocates.
+"""Predicted memory per rank: the ZeRO paper's formula, and what each engine really allocates.
 
-Pure arithmetic on the parameter count Ψ, the number of data-parallel ranks N, the precision and
-the model's shapes. Two formulas, always labelled:
+Pure arithmetic on the parameter count Ψ, the number of data-parallel ranks N, the precision and the
+activations of one micro-batch. Every formula is labelled with what it counts and where it was checked
+(`Prediction.basis`; "unchecked" where no GPU has measured it yet):
 
-* ``paper``: Rajbhandari et al. 2020, mixed-precision Adam: 2Ψ (fp16 params) + 2Ψ (fp16 grads) + KΨ
-  optimizer states with K = 12 (fp32 master 4 + momentum 4 + variance 4); stage 1 divides the KΨ by N,
-  stage 2 also the gradients, stage 3 also the parameters. In fp32 training K = 8 and params/grads
-  take 4 bytes each. Model states only.
-* ``deepspeed``: the tensors DeepSpeed 0.19.8 really keeps (read from its optimizers' code and checked
-  against the tensors counted and the peaks measured, see README "Where the memory goes"), plus the
-  temporaries of the optimizer step, the reduce bucket and the activations of one micro-batch.
+* `paper`: Rajbhandari et al. 2020, mixed-precision Adam: 2Ψ (fp16 params) + 2Ψ (fp16 grads) + 12Ψ
+  (fp32 master 4 + momentum 4 + variance 4); stage 1 divides the 12Ψ by N, stage 2 the gradients too,
+  stage 3 the parameters too. fp32 training: 4Ψ + 4Ψ + 8Ψ. Model states only.
+* `deepspeed`: DeepSpeed 0.19.8's tensors (read from its optimizers' code), the optimizer step's
+  temporaries, the reduce bucket; ZeRO-Offload keeps master weights and Adam's states in CPU memory.
+* `torch_zero`: DDP + ZeroRedundancyOptimizer over fp32 parameters, autocast for fp16/bf16.
+* `fsdp`: FSDP2's shards, plus the parameters it gathers to compute.
+Activations: Korthikanti et al. 2022's count for the presets' shapes; for any other model, the bytes a
+calibration trial measured per sample (ray_zero/calibration.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
-from ray_zero.sizes import PRESETS, ModelPreset
+from ray_zero.sizes import PRESETS, SAMPLE_BYTES, ModelPreset
 
 GIB = 1024 ** 3
 BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
-
-
-# cuBLAS and cuBLASLt workspaces that torch allocates through its caching allocator at the first
-# matmul: 64 MiB, measured on an H200 with torch 2.11 (allocated memory after the first backward of
-# the 0.27 M-parameter seed model, less its gradients and data). Zero on CPU.
+# cuBLAS and cuBLASLt workspaces that torch allocates through its caching allocator at the first matmul:
+# 64 MiB, measured on an H200 with torch 2.11. Zero on CPU.
 CUDA_WORKSPACE_BYTES = 64 * 1024 ** 2
+CHECKED = "checked on H200 (fp16, stages 0-1, 806 M preset, within 1%)"
 
 
 @dataclass(frozen=True)
@@ -37,74 +39,79 @@ class Prediction:
     master_param_bytes: float
     optimizer_state_bytes: float
     bucket_bytes: float = 0.0
-    """ZeRO's reduce bucket (stage >= 1): allocated at its full configured size, whatever the model."""
+    """Communication buffers: ZeRO's reduce bucket (allocated at its configured size whatever the model),
+    DDP's gradient buckets."""
     step_transient_bytes: float = 0.0
     """Temporaries that live only inside the optimizer step (e.g. fp32 copies of gradients)."""
-    activation_bytes: float = 0.0
-    """Tensors saved for backward for one micro-batch."""
+    compute_bytes: float = 0.0
+    """Parameters gathered or cast for compute while activations live: FSDP2's unsharded blocks,
+    autocast's low-precision weight copies."""
+    activation_bytes: Optional[float] = 0.0
+    """Tensors saved for backward for one micro-batch; None when unknown (no calibration)."""
     workspace_bytes: float = 0.0
-    """The CUDA libraries' workspaces (GPU only)."""
     data_bytes: float = 0.0
-    """This rank's shard of the dataset, which ray_zero keeps on the device."""
+    """This rank's data on the device (MNIST shard or synthetic batches)."""
+    basis: str = "unchecked"
+    """On what this formula was checked."""
 
     @property
     def model_state_bytes(self) -> float:
         return self.parameter_bytes + self.gradient_bytes + self.master_param_bytes + self.optimizer_state_bytes
 
     @property
-    def peak_bytes(self) -> float:
+    def peak_bytes(self) -> Optional[float]:
+        if self.activation_bytes is None:
+            return None
         # Activations are freed by the end of backward; the step's temporaries come after.
         return (self.model_state_bytes + self.bucket_bytes + self.workspace_bytes + self.data_bytes
-                + max(self.activation_bytes, self.step_transient_bytes))
+                + max(self.activation_bytes + self.compute_bytes, self.step_transient_bytes))
 
 
 def paper(params: int, stage: int, num_workers: int, precision: str = "fp16") -> Prediction:
     """The ZeRO paper's model states per rank (no activations, buffers or temporaries)."""
-    n = num_workers
-    low = BYTES[precision]
+    n, low = num_workers, BYTES[precision]
     master = 4.0 * params if precision != "fp32" else 0.0
-    states = 8.0 * params
-    grads = float(low * params)
-    weights = float(low * params)
+    states, grads, weights = 8.0 * params, float(low * params), float(low * params)
     if stage >= 1:
         master, states = master / n, states / n
     if stage >= 2:
         grads /= n
     if stage >= 3:
         weights /= n
-    return Prediction("paper", weights, grads, master, states)
+    return Prediction("paper", weights, grads, master, states, basis="the ZeRO paper's formula")
 
 
-def activation_bytes(preset: ModelPreset, micro_batch_size: int, precision: str) -> float:
-    """Saved activations of one micro-batch: Korthikanti et al. 2022's per-layer count, generalised
-    to a feed-forward width f: s*b*(18h + 4f) + 5*a*s^2*b bytes at 16 bits (34sbh when f = 4h)."""
+def preset_activation_bytes(preset: ModelPreset, micro_batch_size: int, precision: str,
+                            checkpointing: bool = False) -> float:
+    """Saved activations of one micro-batch of a preset: Korthikanti et al. 2022's per-layer count,
+    generalised to a feed-forward width f: s*b*(18h + 4f) + 5*a*s^2*b bytes at 16 bits (34sbh when f = 4h).
+    With checkpointing: each block's input (2sbh at 16 bits) plus one block's activations, recomputed."""
     s, b, h, f, a = preset.num_patches, micro_batch_size, preset.dim, preset.ff_dim, preset.heads
-    per_layer_16bit = s * b * (18 * h + 4 * f) + 5 * a * s * s * b
-    return preset.depth * per_layer_16bit * BYTES[precision] / 2
+    per_layer = s * b * (18 * h + 4 * f) + 5 * a * s * s * b
+    scale = BYTES[precision] / 2
+    if checkpointing:
+        return (preset.depth * 2 * s * b * h + per_layer) * scale
+    return preset.depth * per_layer * scale
 
 
-def deepspeed(params: int, stage: int, num_workers: int, precision: str, *,
-              micro_batch_size: int = 1, preset: ModelPreset | None = None,
-              reduce_bucket_size: int = 50_000_000, on_gpu: bool = True, data_bytes: float = 0.0) -> Prediction:
-    """What DeepSpeed 0.19.8 allocates per rank with torch Adam(W).
+def deepspeed(params: int, stage: int, num_workers: int, precision: str, *, offload: str = "none",
+              reduce_bucket_size: int = 50_000_000) -> Prediction:
+    """What DeepSpeed 0.19.8 allocates per rank with torch Adam(W), activations aside.
 
-    Checked on H200 (fp16; README "Where the memory goes"); bf16 and fp32 follow the same code paths
-    as read in DeepSpeed's source, and stage 3 uses the paper's split: neither is checked on a GPU yet.
-
-    Stage 0, fp16 (FP16_Optimizer): fp16 params and grads, a flat fp32 master, Adam's two states
-    (created by initialize); its step makes an fp32 copy of every gradient and then a flat fp32
-    gradient: 8Ψ of temporaries, which is why stage 0 peaks near 24 bytes per parameter, not 16.
-    Stage 0, bf16 (BF16_Optimizer): bf16 params and grads, a flat fp32 gradient accumulator, fp32 master.
-    Stage 0, fp32: torch AdamW on the module's own parameters; its foreach step needs one fp32 temporary.
-    Stages 1 and 2 (DeepSpeedZeroOptimizer): both reduce gradients into this rank's partition, so in
-    0.19.8 stage 1 holds what stage 2 holds: full low-precision params; a low-precision gradient
-    partition; the fp32 master partition and Adam's states; in the step a flat copy of the gradient
-    partition and its fp32 copy (so 2Ψ + 20Ψ/N at fp16); plus the reduce bucket.
+    Stage 0, fp16 (FP16_Optimizer): fp16 params and grads, a flat fp32 master, Adam's two states; its step
+    makes an fp32 copy of every gradient and then a flat fp32 gradient: 8Ψ of temporaries, which is why
+    stage 0 peaks near 24 bytes per parameter, not 16. bf16 (BF16_Optimizer): bf16 params and grads, a flat
+    fp32 gradient accumulator, fp32 master. fp32: torch AdamW on the module's own parameters, whose foreach
+    step needs one fp32 temporary.
+    Stages 1 and 2 (DeepSpeedZeroOptimizer) both reduce gradients into this rank's partition, so in 0.19.8
+    stage 1 holds what stage 2 holds: full low-precision params, a low-precision gradient partition, the
+    fp32 master partition and Adam's states, and in the step a flat copy of the gradient partition and
+    its fp32 copy (2Ψ + 20Ψ/N at fp16), plus the reduce bucket. With offload the master and Adam's states
+    live in CPU memory and the step runs there. Stage 3 uses the paper's split.
     """
-    n = num_workers
-    low = BYTES[precision]
-    psi = float(params)
+    n, low, psi = num_workers, BYTES[precision], float(params)
     bucket = 0.0 if stage == 0 else float(low * reduce_bucket_size)
+    basis = CHECKED if precision == "fp16" and stage in (0, 1) and offload == "none" else "unchecked"
     if stage == 0:
         if precision == "fp16":
             parts = dict(parameter_bytes=2 * psi, gradient_bytes=2 * psi, master_param_bytes=4 * psi,
@@ -124,21 +131,74 @@ def deepspeed(params: int, stage: int, num_workers: int, precision: str, *,
         base = paper(params, 3, n, precision)
         parts = dict(parameter_bytes=base.parameter_bytes, gradient_bytes=base.gradient_bytes,
                      master_param_bytes=base.master_param_bytes, optimizer_state_bytes=base.optimizer_state_bytes)
-    return Prediction("deepspeed", bucket_bytes=bucket,
-                      activation_bytes=activation_bytes(preset, micro_batch_size, precision) if preset else 0.0,
-                      workspace_bytes=CUDA_WORKSPACE_BYTES if on_gpu else 0.0, data_bytes=data_bytes, **parts)
+    if offload != "none":  # in CPU memory: not on the device
+        parts.update(master_param_bytes=0.0, optimizer_state_bytes=0.0, step_transient_bytes=0.0)
+    return Prediction("deepspeed", bucket_bytes=bucket, basis=basis, **parts)
 
 
-def predict_row(model: str, stage: int, num_workers: int, precision: str, micro_batch_size: int,
-                reduce_bucket_size: int = 50_000_000, on_gpu: bool = True, data_bytes: float = 0.0) -> dict[str, float]:
-    """The prediction columns of a results row (GiB)."""
-    preset = PRESETS[model]
-    params = preset.param_count()
-    real = deepspeed(params, stage, num_workers, precision, micro_batch_size=micro_batch_size, preset=preset,
-                     reduce_bucket_size=reduce_bucket_size, on_gpu=on_gpu, data_bytes=data_bytes)
-    book = paper(params, stage, num_workers, precision)
-    return {
-        "predicted_model_state_gib": real.model_state_bytes / GIB,
-        "predicted_peak_gib": real.peak_bytes / GIB,
-        "paper_model_state_gib": book.model_state_bytes / GIB,
-    }
+def torch_zero(params: int, stage: int, num_workers: int, precision: str) -> Prediction:
+    """DDP (+ ZeroRedundancyOptimizer at stage 1) over fp32 parameters: fp32 params and grads, DDP's
+    gradient buckets (another fp32 copy of the gradients: gradient_as_bucket_view is off), Adam's states
+    (/N at stage 1: ZeroRedundancyOptimizer gives each rank whole parameters, so the split is only about
+    even on a model of many similar tensors), autocast's low-precision weight copies while the
+    micro-batch's activations live, and the foreach step's fp32 temporary of the states it steps."""
+    n, psi = num_workers, float(params)
+    share = 1.0 / n if stage == 1 else 1.0
+    return Prediction("torch_zero", parameter_bytes=4 * psi, gradient_bytes=4 * psi, master_param_bytes=0.0,
+                      optimizer_state_bytes=8 * psi * share, bucket_bytes=4 * psi if n > 1 else 0.0,
+                      step_transient_bytes=4 * psi * share,
+                      compute_bytes=2 * psi if precision != "fp32" else 0.0)
+
+
+def fsdp(params: int, stage: int, num_workers: int, precision: str, largest_block_params: float) -> Prediction:
+    """FSDP2: fp32 parameters, gradients and Adam's states sharded N ways; to compute it gathers the
+    parameters in the compute dtype: stage 3 one block at a time (two with prefetch), stage 2 keeps every
+    block gathered from its forward to its backward."""
+    n, psi, low = num_workers, float(params), BYTES[precision]
+    gathered = low * psi if stage == 2 else 2 * low * largest_block_params
+    return Prediction("fsdp", parameter_bytes=4 * psi / n, gradient_bytes=4 * psi / n, master_param_bytes=0.0,
+                      optimizer_state_bytes=8 * psi / n, step_transient_bytes=4 * psi / n,
+                      compute_bytes=gathered if n > 1 else 0.0)
+
+
+def engine_prediction(backend: str, params: int, stage: int, num_workers: int, precision: str, *,
+                      offload: str = "none", reduce_bucket_size: int = 50_000_000,
+                      largest_block_params: Optional[float] = None) -> Prediction:
+    if backend == "deepspeed":
+        return deepspeed(params, stage, num_workers, precision, offload=offload, reduce_bucket_size=reduce_bucket_size)
+    if backend == "torch_zero":
+        return torch_zero(params, stage, num_workers, precision)
+    return fsdp(params, stage, num_workers, precision, largest_block_params or params)
+
+
+def activation_estimate(model: str, micro_batch_size: int, precision: str, checkpointing: bool,
+                        calibration: Optional[dict]) -> tuple[Optional[float], str]:
+    """Bytes one micro-batch keeps for backward, and where the figure comes from."""
+    if model in PRESETS:
+        return preset_activation_bytes(PRESETS[model], micro_batch_size, precision, checkpointing), "preset shapes"
+    key = "checkpointed" if checkpointing else "plain"
+    per_sample = ((calibration or {}).get("bytes_per_sample") or {}).get(key)
+    if per_sample is None:
+        return None, "no calibration"
+    return per_sample * micro_batch_size, "calibrated"
+
+
+def predict_point(row: dict[str, Any], calibration: Optional[dict] = None) -> Prediction:
+    """The prediction for a results row (its point, model, precision and device)."""
+    on_gpu = row.get("memory_kind") == "cuda"
+    prediction = engine_prediction(
+        row["backend"], row["params"], row["stage"], row["num_workers"], row["precision"],
+        offload=row.get("offload_optimizer", "none"), reduce_bucket_size=row.get("reduce_bucket_size", 50_000_000),
+        largest_block_params=row.get("largest_block_params"))
+    if not on_gpu:  # CPU rows: the model states are comparable with the tensors counted; the peak is not
+        return Prediction(**{**prediction.__dict__, "activation_bytes": None, "basis": "model states only (CPU)"})
+    activations, source = activation_estimate(row["model"], row["micro_batch_size"], row["precision"],
+                                              bool(row.get("activation_checkpointing")), calibration)
+    data = row.get("data_bytes_per_rank_max")
+    if not isinstance(data, (int, float)):
+        data = 4 * row["micro_batch_size"] * SAMPLE_BYTES if row["model"] in PRESETS and row.get("dataset") == "synthetic" else 0.0
+    basis = prediction.basis if source != "calibrated" else f"{prediction.basis}; activations calibrated"
+    if row.get("activation_checkpointing") and basis.startswith("checked"):
+        basis = "unchecked (activation checkpointing)"
+    return Prediction(**{**prediction.__dict__, "activation_bytes": activations, "workspace_bytes": CUDA_WORKSPACE_BYTES,
+                         "data_bytes": float(data), "basis": basis if activations is not None else "no calibration"})

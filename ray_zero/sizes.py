@@ -1,5 +1,5 @@
 """The model's and the data's sizes, without torch: what the config, the memory model and the table rows
-need, so that Tune's trial driver and Ray Train's controller never import torch (bench/README.md, cut 7).
+need, so that the driver can plan a sweep and the report can be rebuilt without torch.
 
 Presets are rows of a size table, not copies of code: `seed` is the tutorial's model exactly
 (274,698 parameters); `base` (~100 M) and `large` (805,888,010) are big enough for ZeRO's
@@ -64,12 +64,5 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
-SYNTHETIC_SAMPLES = 8192
-"""Size of the synthetic set before sharding: random data has no epochs worth the name."""
 SAMPLE_BYTES = IMAGE_SIZE * IMAGE_SIZE * 4 + 8
-"""One sample on the device: float32 pixels and an int64 label."""
-
-
-def synthetic_count(min_samples: int, world_size: int) -> int:
-    """Samples per rank of the synthetic set: a share of SYNTHETIC_SAMPLES, at least one step's worth."""
-    return max(SYNTHETIC_SAMPLES // world_size, min_samples)
+"""One image sample on the device: float32 pixels and an int64 label."""

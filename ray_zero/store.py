@@ -1,0 +1,85 @@
+"""Where a sweep's record lives: trials.jsonl (one JSON line per finished trial, every rank included),
+experiment.yaml (the experiment and its provenance), files written atomically, and a copy of the tables
+at the storage path. Needs neither Ray nor torch.
+
+Every file is written to a temporary name and renamed into place, so a crash mid-sweep never leaves a
+truncated table behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EXPERIMENT_FILE = "experiment.yaml"
+TRIALS_FILE = "trials.jsonl"
+PUBLISHED = ("results.csv", "results.md", "per_rank.csv", "diagnostics.csv", "report.html", EXPERIMENT_FILE,
+             TRIALS_FILE, "fit.csv", "fit.md", "best_ds_config.json", "best_config.json", "best_command.txt",
+             "calibration.json")
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write to a temporary file in the same folder, then rename over the target."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def append_trial(output_dir: Path, row: dict[str, Any]) -> None:
+    with open(output_dir / TRIALS_FILE, "a") as record:
+        record.write(json.dumps(row, default=str) + "\n")
+        record.flush()
+        os.fsync(record.fileno())
+
+
+def load_trials(output_dir: Path) -> list[dict[str, Any]]:
+    """The latest row of each trial (a half-written last line, from a crash, is skipped)."""
+    rows: dict[str, dict[str, Any]] = {}
+    path = output_dir / TRIALS_FILE
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows[row["trial"]] = row
+    return list(rows.values())
+
+
+def read_experiment_file(output_dir: Path) -> dict[str, Any]:
+    """experiment.yaml as saved: {"experiment": {...}, "provenance": {...}}; {} when absent."""
+    path = output_dir / EXPERIMENT_FILE
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+
+
+def read_provenance(output_dir: Path) -> dict[str, Any] | None:
+    return read_experiment_file(output_dir).get("provenance")
+
+
+def join_storage(storage: str, name: str) -> str:
+    """STORAGE/name, for a folder or a URI such as s3://bucket/path."""
+    return f"{storage.rstrip('/')}/{name}" if "://" in storage else str(Path(storage) / name)
+
+
+def publish(output_dir: Path, storage: str) -> None:
+    """Copy the tables to STORAGE/results (a folder or a URI such as s3://bucket/sweep, via pyarrow),
+    so that a sweep on a cluster leaves them beside its run state, reachable from every node."""
+    from pyarrow import fs
+
+    if "://" not in storage and Path(storage).resolve() == output_dir.resolve():
+        return
+    filesystem, target = fs.FileSystem.from_uri(join_storage(storage, "results"))
+    filesystem.create_dir(target, recursive=True)
+    for path in sorted(output_dir.iterdir()):
+        if path.name in PUBLISHED or path.suffix == ".png":
+            fs.copy_files(str(path), f"{target}/{path.name}", destination_filesystem=filesystem)
