@@ -1,12 +1,12 @@
 """ray_zero command line.
 
     python -m ray_zero sweep experiments/quick.yaml                 # private Ray, CPU or GPU
-    python -m ray_zero sweep experiments/zero1_mnist.yaml --output results/zero1_mnist
     python -m ray_zero sweep experiments/quick.yaml --set grid.num_workers=[1,3] --set steps=8
     python -m ray_zero sweep experiments/quick.yaml --address auto  # join a running cluster
     python -m ray_zero sweep --resume runs/quick-20261129-120000     # finish an interrupted sweep
-    python -m ray_zero report runs/quick-20261129-120000             # table and plots again, no Ray
-    python -m ray_zero estimate --model large --workers 1,2,4,8      # memory model only
+    python -m ray_zero fit experiments/gpt2_tiny_fit.yaml --budget-gib 3   # largest micro-batch that fits
+    python -m ray_zero report runs/quick-20261129-120000             # tables, plots, report.html again
+    python -m ray_zero estimate --model hf:gpt2 --workers 1,2,4,8    # the memory model alone
     python -m ray_zero keys                                          # every experiment key
 """
 from __future__ import annotations
@@ -17,15 +17,15 @@ import os
 import sys
 from pathlib import Path
 
-from ray_zero.config import ConfigError, field_help, load_experiment, validate_experiment
+from ray_zero.config import ConfigError
+from ray_zero.experiment_file import field_help, load_experiment, validate_experiment
 
 EXIT_BAD_INPUT = 2
 
 
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse prints usage + message; we print one line
-        print(f"ray_zero: error: {message} (see python -m ray_zero {self.prog.split()[-1]} --help)",
-              file=sys.stderr)
+        print(f"ray_zero: error: {message} (see python -m ray_zero {self.prog.split()[-1]} --help)", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
 
 
@@ -34,55 +34,83 @@ def _int_list(text: str) -> list[int]:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 1,2,4") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give integers of at least 1, e.g. 1,2,4")
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers, e.g. 1,2,4")
     return values
+
+
+def _add_run_options(command: argparse.ArgumentParser) -> None:
+    command.add_argument("experiment", nargs="?", help="experiment YAML file, e.g. experiments/quick.yaml")
+    command.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a key of the experiment; dotted keys, YAML values "
+                              "(e.g. --set steps=8 --set grid.num_workers=[1,3]); repeatable")
+    command.add_argument("--output", type=Path, metavar="DIR", help="folder for the results (default runs/NAME-DATE)")
+    command.add_argument("--address", metavar="ADDR",
+                         help="join this Ray cluster ('auto' for the local one started with `ray start`); "
+                              "default: RAY_ADDRESS if set, else a private Ray that stops with the sweep")
+    command.add_argument("--resume", type=Path, metavar="DIR", help="finish the interrupted run in DIR")
+    command.add_argument("--diagnostics", action="store_true",
+                         help="also write diagnostics.csv: host threads, scheduler counts, pids, time marks")
+    command.add_argument("--verbose", action="store_true",
+                         help="show Ray's and every rank's own output on the terminal (kept in Ray's logs otherwise)")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="python -m ray_zero", description=__doc__.split("\n")[0],
                             formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    _add_run_options(commands.add_parser("sweep", help="run an experiment's grid as Ray Tune trials"))
+    fit = commands.add_parser("fit", help="find the largest micro-batch that fits, per stage and worker count")
+    _add_run_options(fit)
+    fit.add_argument("--budget-gib", type=float, metavar="G",
+                     help="memory per rank to stay within (default on GPU: the device's memory less --margin-gib; "
+                          "required on CPU, where it bounds each worker's peak resident set)")
+    fit.add_argument("--margin-gib", type=float, default=2.0, help="GPU: memory left free below the device's (default 2)")
+    fit.add_argument("--granularity", type=int, metavar="K",
+                     help="search to a multiple of K samples (default 8, or 1 below 64)")
+    fit.add_argument("--max-micro-batch", type=int, default=65536, metavar="B", help="largest micro-batch tried")
 
-    sweep = commands.add_parser("sweep", help="run an experiment's grid as Ray Tune trials")
-    sweep.add_argument("experiment", nargs="?", help="experiment YAML file, e.g. experiments/quick.yaml")
-    sweep.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a key of the experiment; dotted keys, YAML values "
-                            "(e.g. --set steps=8 --set grid.num_workers=[1,3]); repeatable")
-    sweep.add_argument("--output", type=Path, metavar="DIR",
-                       help="folder for results.csv, results.md, plots (default runs/NAME-DATE)")
-    sweep.add_argument("--address", metavar="ADDR",
-                       help="join this Ray cluster ('auto' for the local one started with `ray start`); "
-                            "default: RAY_ADDRESS if set, else a private Ray that stops with the sweep")
-    sweep.add_argument("--resume", type=Path, metavar="DIR",
-                       help="finish the interrupted sweep in DIR, running only the trials that did not finish")
-
-    report = commands.add_parser("report", help="re-render a finished sweep's table and plots (no Ray)")
+    report = commands.add_parser("report", help="re-render a finished sweep's tables, plots and report page (no Ray)")
     report.add_argument("directory", type=Path, help="the sweep's output folder")
 
-    estimate = commands.add_parser("estimate", help="print the ZeRO memory model's prediction, no training")
-    estimate.add_argument("--model", default="large", help="model preset: seed, base or large (default large)")
+    estimate = commands.add_parser("estimate", help="print the memory model's prediction, no training")
+    estimate.add_argument("experiment", nargs="?", help="an experiment YAML to start from (optional)")
+    estimate.add_argument("--model", help="model source: seed|base|large, hf:TYPE, timm:NAME, module:function")
+    estimate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                          help="override a key, e.g. --set model_config.hidden_size=2048 --set seq_len=512")
     estimate.add_argument("--workers", type=_int_list, default=[1, 2, 4, 8], help="comma-separated ranks, e.g. 1,2,4,8")
     estimate.add_argument("--stages", type=_int_list, default=None, help="comma-separated ZeRO stages (default 0,1,2,3)")
+    estimate.add_argument("--backend", default="deepspeed", choices=["deepspeed", "torch_zero", "fsdp"])
     estimate.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"], help="training precision")
     estimate.add_argument("--micro-batch-size", type=int, default=64, help="samples per rank per step (for activations)")
-
+    estimate.add_argument("--calibration", type=Path, metavar="DIR",
+                          help="a sweep's folder whose calibration.json gives the model's activations per sample")
     commands.add_parser("keys", help="list every experiment key with its meaning and default")
     return parser
 
 
 def _use_cluster_token(address: str | None) -> None:
-    """`ray start --head` turns token authentication on and keeps the token in ~/.ray/auth_token; a
-    client joining it must say so, before Ray is imported (Ray reads RAY_AUTH_MODE once). Unless the
-    user chose a mode, use the token when there is one."""
+    """`ray start --head` turns token authentication on and keeps the token in ~/.ray/auth_token; a client
+    joining it must say so, before Ray is imported (Ray reads RAY_AUTH_MODE once)."""
     joining = address or os.environ.get("RAY_ADDRESS")
     has_token = os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").is_file()
     if joining and has_token and "RAY_AUTH_MODE" not in os.environ:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def _sweep(args) -> int:
-    from ray_zero.report import EXPERIMENT_FILE, console_table
+def _describe(experiment):
+    """The model's facts, before Ray starts; a bad model is one line (ConfigError)."""
+    from ray_zero.models import ModelError, describe_model
+
+    try:
+        return describe_model(experiment.model, experiment.model_options, experiment.seq_len,
+                              experiment.input_shape, experiment.num_classes)
+    except ModelError as error:
+        raise ConfigError(f"model {experiment.model}: {error}") from None
+
+
+def _experiment_and_output(args):
+    from ray_zero.store import EXPERIMENT_FILE, read_experiment_file
 
     if args.resume is not None:
         if args.experiment or args.overrides:
@@ -90,29 +118,38 @@ def _sweep(args) -> int:
         saved = args.resume / EXPERIMENT_FILE
         if not saved.is_file():
             raise ConfigError(f"--resume {args.resume}: no {EXPERIMENT_FILE} there (give a sweep's output folder)")
-        import yaml
+        return validate_experiment(read_experiment_file(args.resume)["experiment"], source=str(saved)), args.resume
+    if not args.experiment:
+        raise ConfigError(f"{args.command} needs an experiment file, e.g. python -m ray_zero {args.command} experiments/quick.yaml")
+    experiment = load_experiment(args.experiment, args.overrides)
+    return experiment, args.output or Path("runs") / f"{experiment.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
 
-        experiment = validate_experiment(yaml.safe_load(saved.read_text())["experiment"], source=str(saved))
-        output = args.resume
-    else:
-        if not args.experiment:
-            raise ConfigError("sweep needs an experiment file, e.g. python -m ray_zero sweep experiments/quick.yaml")
-        experiment = load_experiment(args.experiment, args.overrides)
-        output = args.output or Path("runs") / f"{experiment.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
 
+def _run(args) -> int:
+    experiment, output = _experiment_and_output(args)
+    model = _describe(experiment)
     _use_cluster_token(args.address)
-    from ray_zero.sweep import SweepIncomplete, run_sweep  # imports Ray: only after the input is checked
+    from ray_zero.report import console_table  # imports Ray only after the input is checked
+    from ray_zero.sweep import SweepIncomplete, run_sweep
 
+    options = dict(address=args.address, resume=args.resume is not None, diagnostics=args.diagnostics,
+                   verbose=args.verbose)
     try:
-        frame = run_sweep(experiment, output, address=args.address, resume=args.resume is not None)
+        if args.command == "fit":
+            from ray_zero.fit import FitSettings, run_fit
+
+            settings = FitSettings.from_args(args, experiment)
+            frame = run_fit(experiment, output, model, settings, **options)
+        else:
+            frame = run_sweep(experiment, output, model, **options)
     except (KeyboardInterrupt, SweepIncomplete) as stop:
         done = f" ({stop})" if isinstance(stop, SweepIncomplete) else ""
         print(f"ray_zero: interrupted{done}; finished trials are in {output}/results.csv. "
-              f"Finish the rest with: python -m ray_zero sweep --resume {output}", file=sys.stderr)
+              f"Finish the rest with: python -m ray_zero {args.command} --resume {output}", file=sys.stderr)
         return 130
     print(console_table(frame))
-    print(f"ray_zero: results in {output}/results.csv, results.md, per_rank.csv")
-    return 0 if (frame["status"].isin(["ok", "oom", "skipped"])).all() else 1
+    print(f"ray_zero: results in {output}/ (results.csv, results.md, per_rank.csv, report.html)")
+    return 0 if frame["status"].isin(["ok", "oom", "skipped"]).all() else 1
 
 
 def _report(args) -> int:
@@ -127,45 +164,26 @@ def _report(args) -> int:
 
 
 def _estimate(args) -> int:
-    import pandas as pd
+    from ray_zero.estimate import estimate_table
 
-    from ray_zero.memory_model import GIB, deepspeed, paper
-    from ray_zero.sizes import PRESETS
-
-    if args.model not in PRESETS:
-        raise ConfigError(f"--model {args.model!r}: allowed presets are {', '.join(PRESETS)}")
-    preset = PRESETS[args.model]
-    params = preset.param_count()
-    rows = []
-    for stage in args.stages or [0, 1, 2, 3]:
-        if stage > 3:
-            raise ConfigError(f"--stages: {stage} is not a ZeRO stage; allowed 0, 1, 2, 3")
-        for workers in args.workers:
-            book = paper(params, stage, workers, args.precision)
-            real = deepspeed(params, stage, workers, args.precision, micro_batch_size=args.micro_batch_size,
-                             preset=preset)
-            rows.append({"stage": stage, "workers": workers,
-                         "paper_model_state_gib": book.model_state_bytes / GIB,
-                         "ds_params_gib": real.parameter_bytes / GIB, "ds_grads_gib": real.gradient_bytes / GIB,
-                         "ds_master_gib": real.master_param_bytes / GIB,
-                         "ds_optimizer_states_gib": real.optimizer_state_bytes / GIB,
-                         "ds_model_state_gib": real.model_state_bytes / GIB,
-                         "ds_predicted_peak_gib": real.peak_bytes / GIB})
-    print(f"{args.model}: {params:,} parameters, {args.precision}, micro-batch {args.micro_batch_size}; "
-          f"paper = ZeRO paper's model states, ds_* = what DeepSpeed 0.19.8 allocates (ray_zero.memory_model)")
-    print(pd.DataFrame(rows).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    if args.experiment:
+        experiment = load_experiment(args.experiment, args.overrides + ([f"model={args.model}"] if args.model else []))
+    else:
+        model = f"model={args.model or 'large'}"
+        experiment = validate_experiment({"steps": 1, "warmup_steps": 0}, [model, *args.overrides], source="estimate")
+    print(estimate_table(experiment, _describe(experiment), args))
     return 0
 
 
 def _keys(_args) -> int:
     for key, text, default in field_help():
-        print(f"{key:32} {text}  [default: {default!r}]")
+        print(f"{key:36} {text}  [default: {default!r}]")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = {"sweep": _sweep, "report": _report, "estimate": _estimate, "keys": _keys}[args.command]
+    handler = {"sweep": _run, "fit": _run, "report": _report, "estimate": _estimate, "keys": _keys}[args.command]
     try:
         return handler(args)
     except ConfigError as error:

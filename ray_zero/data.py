@@ -1,4 +1,5 @@
-"""Training data held on the training device: MNIST (torchvision, with an offline fallback) or synthetic.
+"""Training data held on the training device: MNIST for the presets (torchvision, with an offline
+fallback), or a few synthetic batches made by the model's own `make_batch`.
 
 MNIST is 47 MB as float32: each rank keeps its own shard on its device, so the input pipeline is
 never what gets timed. This file knows nothing of Ray or DeepSpeed.
@@ -15,7 +16,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ray_zero.sizes import IMAGE_SIZE, NUM_CLASSES, synthetic_count
+from ray_zero.sizes import IMAGE_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +123,8 @@ def mnist_shard(data_dir: str, rank: int, world_size: int, device: torch.device)
     return Batches(normalised.to(device), labels.to(device), source)
 
 
-def synthetic_shard(min_samples: int, world_size: int, seed: int, device: torch.device) -> Batches:
-    """Random images and labels made directly on the device, for pure memory and speed runs."""
-    count = synthetic_count(min_samples, world_size)
+def synthetic_batches(make_batch, micro_batch_size: int, count: int, seed: int, device: torch.device) -> list:
+    """`count` micro-batches of random samples made on the device, served in turn: the input pipeline is
+    never what gets timed, and a model that sees the same few batches again learns them (the loss falls)."""
     generator = torch.Generator(device=device).manual_seed(seed)
-    images = torch.randn(count, 1, IMAGE_SIZE, IMAGE_SIZE, device=device, generator=generator)
-    labels = torch.randint(0, NUM_CLASSES, (count,), device=device, generator=generator)
-    return Batches(images, labels, f"synthetic ({count} random samples per rank)")
+    return [make_batch(micro_batch_size, device, generator) for _ in range(count)]

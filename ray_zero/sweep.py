@@ -1,37 +1,36 @@
-"""The sweep: check the grid against the cluster, start or join Ray, run the Tune grid, write results.
+"""The sweep: check the grid against the cluster, start or join Ray, run the trials with Ray Tune, write
+results after every finished trial. `run_sweep` runs a grid; ray_zero/fit.py runs a search through the
+same `Session`.
 
-One Tune trial per runnable grid point (trial.run_trial); points that need more workers than the
-cluster has become `skipped` rows. Results are rewritten after every finished trial.
+One Tune trial per runnable grid point (ray_zero/trial.py); points that need more workers than the
+cluster has, or that an engine lacks, become `skipped` rows.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import hashlib
+import importlib.metadata
 import os
 import platform
 import shlex
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import ray
 import yaml
 from ray import tune
-from ray.tune.result import AUTO_RESULT_KEYS
 
-from ray_zero.config import ConfigError, Experiment
-from ray_zero.plots import write_plots
-from ray_zero.report import (EXPERIMENT_FILE, TRIALS_FILE, append_trial, atomic_write, join_storage, load_trials,
-                             publish, read_provenance, write_results)
-from ray_zero.rows import base_row, finish_row, trial_name
-from ray_zero.trial import run_trial
+from ray_zero.cluster import Cluster, Plan, check_model_fits, joined_cluster, local_cluster, plan_sweep, start_ray
+from ray_zero.config import ConfigError, Experiment, Point, TrialSpec
+from ray_zero.report import console_table, read_calibration, write_pages, write_results
+from ray_zero.rows import finish_row, skipped_row
+from ray_zero.store import EXPERIMENT_FILE, TRIALS_FILE, append_trial, atomic_write, join_storage, load_trials, publish, read_provenance
+from ray_zero.trial import run_trial, trial_log
 
 DRIVER_MEMORY_BYTES = 256 * 1024 ** 2
-
-
-class ClusterUnreachable(ConfigError):
-    """--address (or RAY_ADDRESS) names no Ray cluster this process can join."""
 
 
 class SweepIncomplete(Exception):
@@ -42,84 +41,9 @@ class SweepIncomplete(Exception):
         self.finished, self.total = finished, total
 
 
-@dataclass(frozen=True)
-class Cluster:
-    """What the sweep can use: GPUs and CPUs in total, where they come from."""
-
-    gpus: int
-    cpus: int
-    source: str
-    """'this machine' before a private Ray starts, or the address of the cluster."""
-
-    def worker_capacity(self, experiment: Experiment, use_gpu: bool) -> int:
-        return self.gpus if use_gpu else self.cpus // experiment.cpus_per_worker
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The grid split into what runs and what is skipped, with the settings every trial shares."""
-
-    use_gpu: bool
-    precision: str
-    runnable: list[dict[str, int]]
-    skipped: list[dict[str, int]]
-    max_concurrent_trials: int
-    capacity: int
-    started_early: int = 0  # trials whose driver and controller start before GPUs or CPUs are free
-
-    @property
-    def trial_drivers(self) -> int:
-        """Trials Tune runs at once: those training, plus any started early."""
-        return self.max_concurrent_trials + self.started_early
-
-
-def local_cluster() -> Cluster:
-    import torch
-
-    return Cluster(gpus=torch.cuda.device_count(), cpus=os.cpu_count() or 1, source="this machine")
-
-
-def plan_sweep(experiment: Experiment, cluster: Cluster) -> Plan:
-    """Decide device, precision, which points run and how many at once. Raises ConfigError."""
-    if experiment.device == "gpu" and cluster.gpus == 0:
-        raise ConfigError(f"device: gpu, but {cluster.source} has no GPU (use device: cpu or auto)")
-    use_gpu = experiment.use_gpu(cluster.gpus > 0)
-    precision = experiment.resolved_precision(use_gpu)
-    if precision == "fp16" and not use_gpu:
-        raise ConfigError(f"precision: fp16 needs a GPU and {cluster.source} has none (use fp32 or bf16 on CPU)")
-    capacity = cluster.worker_capacity(experiment, use_gpu)
-    points = experiment.grid.points()
-    runnable = [p for p in points if p["num_workers"] <= capacity]
-    skipped = [p for p in points if p["num_workers"] > capacity]
-    unit = "GPUs" if use_gpu else f"CPUs at cpus_per_worker={experiment.cpus_per_worker}"
-    if not runnable:
-        raise ConfigError(
-            f"grid.num_workers: no grid point can run: the smallest asks for "
-            f"{min(p['num_workers'] for p in points)} workers, {cluster.source} has room for {capacity} "
-            f"({cluster.gpus if use_gpu else cluster.cpus} {unit}); allowed: 1 to {capacity}")
-    largest = max(p["num_workers"] for p in runnable)
-    concurrent = max(1, capacity // largest)
-    if experiment.max_concurrent_trials is not None:
-        concurrent = min(concurrent, experiment.max_concurrent_trials)
-    overlap = experiment.overlap_startup if experiment.overlap_startup is not None else use_gpu
-    # One more trial may start only if it then has to wait: were it to fit beside the others, it
-    # would train at once, past max_concurrent_trials.
-    smallest = min(p["num_workers"] for p in runnable)
-    early = int(overlap and len(runnable) > concurrent and (concurrent + 1) * smallest > capacity)
-    return Plan(use_gpu, precision, runnable, skipped, concurrent, capacity, early)
-
-
-def skipped_row(experiment: Experiment, point: dict[str, int], plan: Plan, cluster: Cluster) -> dict[str, Any]:
-    row = base_row(experiment, point, plan.precision, plan.use_gpu)
-    unit = "GPUs" if plan.use_gpu else "CPU workers"
-    row.update(status="skipped",
-               error=f"needs {point['num_workers']} workers; {cluster.source} has room for {plan.capacity} {unit}")
-    return finish_row(row)
-
-
 def check_output_dir(output_dir: Path, resume: bool = False) -> None:
     """Writable, and (unless resuming) without an earlier sweep's trials: a new sweep there would mix its
-    rows into that sweep's table under its own provenance, and replace that sweep's report."""
+    rows into that sweep's table under its own provenance."""
     trials = output_dir / TRIALS_FILE
     if not resume and trials.is_file() and trials.stat().st_size:
         raise ConfigError(f"--output {output_dir}: already holds a sweep's results ({TRIALS_FILE}); give a new "
@@ -135,7 +59,6 @@ def check_output_dir(output_dir: Path, resume: bool = False) -> None:
 
 
 def provenance(experiment: Experiment, cluster: Cluster, plan: Plan, command: str) -> dict[str, Any]:
-    import deepspeed  # versions are part of every result
     import torch
 
     cpu = platform.processor() or platform.machine()
@@ -144,200 +67,206 @@ def provenance(experiment: Experiment, cluster: Cluster, plan: Plan, command: st
             cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    gpu = "none"
-    if torch.cuda.is_available():
-        gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "none"
     return {
-        "experiment": experiment.name,
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": command,
-        "python": platform.python_version(),
-        "torch": str(torch.__version__),
-        "deepspeed": str(deepspeed.__version__),
-        "ray": str(ray.__version__),
-        "driver_gpus": gpu,
+        "experiment": experiment.name, "question": experiment.question,
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
+        "python": platform.python_version(), "torch": str(torch.__version__),
+        "deepspeed": importlib.metadata.version("deepspeed"), "ray": str(ray.__version__),
+        "driver_gpus": gpu, "gpu_memory_gib": cluster.gpu_memory_gib,
         "cpu": f"{cpu} ({os.cpu_count()} logical CPUs on the driver's machine)",
         "cluster": f"{cluster.source}: {cluster.gpus} GPUs, {cluster.cpus} CPUs",
-        "device": "gpu" if plan.use_gpu else "cpu",
-        "precision": plan.precision,
+        "device": "gpu" if plan.use_gpu else "cpu", "precision": plan.precision,
         "max_concurrent_trials": plan.max_concurrent_trials,
-        "trials_started_early": plan.started_early,
     }
 
 
-def _start_ray(address: Optional[str]):
-    """Join the cluster at `address` (or RAY_ADDRESS, or the Ray this process already runs), else start
-    a private Ray whose dashboard binds to 127.0.0.1. Returns (context, address joined or None)."""
-    if ray.is_initialized():
-        return ray.get_runtime_context(), "the running Ray instance"
-    address = address or os.environ.get("RAY_ADDRESS")
-    if not address:
-        context = ray.init(dashboard_host="127.0.0.1", log_to_driver=True, configure_logging=False)
-        return context, None
-    try:
-        return ray.init(address=address, log_to_driver=True), address
-    except (ConnectionError, RuntimeError, ValueError) as error:
-        reason = str(error).strip().splitlines()[0][:300]
-        raise ClusterUnreachable(f"--address {address}: cannot join the Ray cluster ({reason}); start one with "
-                                 "`ray start --head`, or leave --address and RAY_ADDRESS unset for a private Ray") from None
-
-
-def _start_autoscaling_coordinator() -> None:
-    """Create Ray Data's autoscaling coordinator now, while Tune starts the first trial's driver.
-
-    Ray Train's controller registers every run's resources with this detached actor, creating it on a
-    Ray instance's first run and waiting for it: a new process and its imports, 3.2 s on the sweep's
-    first trial on the H200 (bench/README.md, cut 6). It is the same call Ray Train makes (get or
-    create, by name), so later controllers find it. A Ray without it is left as it is."""
-    try:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator)
-    except ImportError:
-        return
-    get_or_create_autoscaling_coordinator()  # returns at once; the actor starts in the background
-
-
-def _remote_cluster(address: str) -> Cluster:
-    total = ray.cluster_resources()
-    return Cluster(gpus=int(total.get("GPU", 0)), cpus=int(total.get("CPU", 0)), source=f"the cluster at {address}")
-
-
-class ResultsWriter(tune.Callback):
-    """Runs in the sweep's process: record each finished trial and rewrite the tables.
-
-    It keeps no rows of its own: Tune pickles it with the experiment, and a resumed sweep gets it
-    back from that pickle, so everything lives in the output folder (trials.jsonl).
-    """
-
-    def __init__(self, output_dir: Path, storage: str):
-        self.output_dir, self.storage = output_dir, storage
-        self.started_at: dict[str, float] = {}
-
-    def on_trial_start(self, iteration, trials, trial, **info):
-        self.started_at[trial.trial_id] = time.time()
-
-    def on_trial_complete(self, iteration, trials, trial, **info):
-        self._record(trial)
-
-    def on_trial_error(self, iteration, trials, trial, **info):
-        self._record(trial)
-
-    def _record(self, trial) -> None:
-        result = trial.last_result or {}
-        # A trial whose driver itself died has no result: it still gets a row.
-        row = _kept(result) if "status" in result else _crashed_row(trial)
-        # Tune's view of the trial's life, for the start-up breakdown (bench/README.md).
-        row.update(tune_started_at=self.started_at.get(trial.trial_id), tune_finished_at=time.time())
-        append_trial(self.output_dir, row)
-        write_results(self.output_dir, load_trials(self.output_dir), read_provenance(self.output_dir))
-        publish(self.output_dir, self.storage)
-        print(trial_summary(row), flush=True)
-
-
-# A trial's Tune result is its row (every rank's report included) plus Tune's own bookkeeping.
-_TUNE_KEYS = set(AUTO_RESULT_KEYS) | {"done", "trial_id", "experiment_tag", "should_checkpoint"}
-
-
-def _kept(result: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in result.items() if k not in _TUNE_KEYS}
+def _number(row: dict, key: str, fmt: str) -> str:
+    value = row.get(key)
+    return format(value, fmt) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
 
 
 def trial_summary(row: dict[str, Any]) -> str:
-    """One line per finished trial (Tune's own tables are switched off: verbose=0)."""
-    def number(key: str, fmt: str) -> str:
-        value = row.get(key)
-        return format(value, fmt) if isinstance(value, (int, float)) else "-"
-
-    text = (f"ray_zero: {row['trial']}: {row['status']}; loss {number('loss_first', '.3f')} -> "
-            f"{number('loss_last', '.3f')}, {number('samples_per_s', '.0f')} samples/s, peak "
-            f"{number('peak_allocated_gib_max', '.3f')} GiB (predicted {number('predicted_peak_gib', '.3f')}), "
-            f"{number('wall_s', '.1f')} s")
+    """One line per finished trial. On CPU the memory is what it is: the process's peak resident set, beside
+    the model states counted tensor by tensor and what the memory model predicts for them."""
+    text = (f"ray_zero: {row['trial']}: {row['status']}; loss {_number(row, 'loss_first', '.3f')} -> "
+            f"{_number(row, 'loss_last', '.3f')}, {_number(row, 'samples_per_s', '.0f')} samples/s, ")
+    if row.get("memory_kind") == "cpu_rss":
+        text += (f"peak RSS {_number(row, 'peak_allocated_gib_max', '.2f')} GiB, model states "
+                 f"{_number(row, 'measured_model_state_gib', '.4f')} GiB (predicted "
+                 f"{_number(row, 'predicted_model_state_gib', '.4f')})")
+    else:
+        text += (f"peak {_number(row, 'peak_allocated_gib_max', '.2f')} GiB (predicted "
+                 f"{_number(row, 'predicted_peak_gib', '.2f')})")
+    text += f", {_number(row, 'wall_s', '.1f')} s"
     return text + (f"; {row['error']}" if row.get("error") else "")
 
 
+class ResultsWriter(tune.Callback):
+    """Runs in the sweep's process: record each finished trial, rewrite the tables, print its line and the
+    progress. It keeps no rows of its own (a resumed sweep gets it back from Tune's pickle): everything
+    lives in the output folder (trials.jsonl)."""
+
+    def __init__(self, output_dir: Path, storage: str, total: Optional[int], on_row=None):
+        self.output_dir, self.storage, self.total, self.on_row = output_dir, storage, total, on_row
+        self.started = time.time()
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._record(trial, trials)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._record(trial, trials)
+
+    def _record(self, trial, trials) -> None:
+        import json
+
+        result = dict(trial.last_result or {})
+        if "status" in result:
+            row = {**{k: result[k] for k in result if k in _row_keys(result)}, **json.loads(result.get("nested_json", "{}"))}
+        else:  # a trial whose driver itself died has no result: it still gets a row
+            row = _crashed_row(trial)
+        row = finish_row(row, read_calibration(self.output_dir))
+        append_trial(self.output_dir, row)
+        frame = write_results(self.output_dir, load_trials(self.output_dir), read_provenance(self.output_dir))
+        write_pages(self.output_dir, frame)
+        publish(self.output_dir, self.storage)
+        if self.on_row is not None:
+            self.on_row(row)
+        running = sum(t.status == "RUNNING" for t in trials if t is not trial)
+        of = f"/{self.total}" if self.total else ""
+        print(trial_summary(row), flush=True)
+        print(f"ray_zero: {len(frame)}{of} trials finished, {running} running, {time.time() - self.started:.0f} s",
+              flush=True)
+
+
+def _row_keys(result: dict) -> list[str]:
+    """The row's own keys in a Tune result (Tune adds its bookkeeping: time_this_iter_s, trial_id, ...)."""
+    from ray.tune.result import AUTO_RESULT_KEYS
+
+    tune_keys = set(AUTO_RESULT_KEYS) | {"done", "trial_id", "experiment_tag", "should_checkpoint", "nested_json"}
+    return [k for k in result if k not in tune_keys]
+
+
 def _crashed_row(trial) -> dict[str, Any]:
-    experiment = Experiment.model_validate(trial.config["experiment"])
-    row = base_row(experiment, trial.config["point"], trial.config["precision"], trial.config["use_gpu"])
+    from ray_zero.rows import trial_row
+
+    row = trial_row(trial.config["spec"])
     error = getattr(trial, "error_msg", None) or "the trial's driver process stopped without a result"
     row.update(status="failed", error=str(error).strip().splitlines()[-1][:400])
-    return finish_row(row)
+    return row
 
 
-def run_sweep(experiment: Experiment, output_dir: Path, address: Optional[str] = None,
-              command: Optional[str] = None, resume: bool = False):
+class Session:
+    """A sweep's Ray, cluster, plan and output folder, for a grid (`run_grid`) or a search (ray_zero/fit.py)."""
+
+    def __init__(self, experiment: Experiment, model, output_dir: Path, address: Optional[str] = None,
+                 command: Optional[str] = None, resume: bool = False, diagnostics: bool = False,
+                 verbose: bool = False):
+        self.command = command or " ".join(shlex.quote(a) for a in ["python", "-m", "ray_zero", *sys.argv[1:]])
+        self.output_dir = output_dir.resolve()
+        check_output_dir(self.output_dir, resume)
+        self.experiment, self.model, self.resume = experiment.with_absolute_paths(), model, resume
+        self.diagnostics, self.address, self.verbose = diagnostics, address, verbose
+        if not (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
+            cluster = local_cluster()  # reject impossible grids before Ray starts
+            check_model_fits(self.experiment, model, cluster, plan_sweep(self.experiment, cluster))
+
+    def __enter__(self) -> "Session":
+        context, self.joined = start_ray(self.address, self.verbose)
+        try:
+            self.cluster = joined_cluster(self.joined) if self.joined else local_cluster()
+            self.plan = plan_sweep(self.experiment, self.cluster)
+            check_model_fits(self.experiment, self.model, self.cluster, self.plan)
+            dashboard = getattr(context, "dashboard_url", None)
+            if dashboard:
+                print(f"ray_zero: Ray dashboard at http://{dashboard}", flush=True)
+            prov = provenance(self.experiment, self.cluster, self.plan, self.command)
+            if self.resume:  # the sweep's provenance is the original run's, plus when and how it was resumed
+                prov = {**(read_provenance(self.output_dir) or {}), "resumed": prov["date"], "resume_command": self.command}
+            self.provenance = prov
+            atomic_write(self.output_dir / EXPERIMENT_FILE, yaml.safe_dump(
+                {"experiment": self.experiment.model_dump(mode="json"), "model": dataclasses.asdict(self.model),
+                 "provenance": prov}, sort_keys=False))
+            storage = self.experiment.runtime.storage_path or str(self.output_dir)
+            self.storage = storage if "://" in storage else str(Path(storage).resolve())
+            # One record of every trial's ranks for the whole sweep, named after its folder (so that a
+            # resumed sweep finds it under the same name).
+            self.log_name = "ray_zero_log_" + hashlib.sha1(str(self.output_dir).encode()).hexdigest()[:12]
+            self._log = trial_log(self.log_name)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.joined:
+            ray.shutdown()
+
+    def spec(self, point: Point, experiment: Optional[Experiment] = None) -> TrialSpec:
+        return TrialSpec(experiment or self.experiment, point, self.plan.precision, self.plan.use_gpu, self.model,
+                         self.storage, self.diagnostics)
+
+    def record_skipped(self) -> None:
+        for point, reason in self.plan.skipped:
+            append_trial(self.output_dir, skipped_row(self.spec(point), reason))
+        write_results(self.output_dir, load_trials(self.output_dir), self.provenance)
+
+    def tuner(self, param_space: dict, total: Optional[int], search_alg=None, max_concurrent: Optional[int] = None,
+              on_row=None, tune_name: str = "tune") -> tune.Tuner:
+        """A Tuner of `run_trial` over param_space (a grid) or search_alg (a search)."""
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # with verbose=0: no Tune tables on the terminal
+        os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")  # ray_zero writes its own tables
+        # The trial is a driver only (the work is in its Train workers): it reserves no CPU, so a 2-CPU
+        # machine can still run a 2-worker trial. Tune needs some resource in the request: a little memory.
+        trainable = tune.with_resources(run_trial, {"cpu": 0, "memory": DRIVER_MEMORY_BYTES})
+        param_space = {**param_space, "log_name": self.log_name} if search_alg is None else {}
+        callbacks = [ResultsWriter(self.output_dir, self.storage, total, on_row)]
+        tune_dir = join_storage(self.storage, tune_name)
+        if self.resume:  # trials that finished keep their rows (trials.jsonl); only the rest run
+            return tune.Tuner.restore(tune_dir, trainable=trainable, resume_unfinished=True, resume_errored=False,
+                                      restart_errored=True, param_space=param_space)
+        return tune.Tuner(
+            trainable, param_space=param_space,
+            tune_config=tune.TuneConfig(
+                max_concurrent_trials=max_concurrent or self.plan.trial_drivers, search_alg=search_alg,
+                # The next trial's driver runs in the finished one's process: no new process and imports
+                # for every trial (Tune's default for function trainables is False).
+                reuse_actors=True,
+                trial_name_creator=lambda t: t.config["spec"].name,
+                trial_dirname_creator=lambda t: f"{t.config['spec'].name}_{t.trial_id}"),
+            run_config=tune.RunConfig(name=tune_name, storage_path=self.storage, callbacks=callbacks, verbose=0))
+
+    def finish(self):
+        """The tables and pages once more, copied to the storage path; the table (a DataFrame)."""
+        frame = write_results(self.output_dir, load_trials(self.output_dir), self.provenance)
+        write_pages(self.output_dir, frame)
+        publish(self.output_dir, self.storage)
+        return frame
+
+
+def run_sweep(experiment: Experiment, output_dir: Path, model=None, address: Optional[str] = None,
+              command: Optional[str] = None, resume: bool = False, diagnostics: bool = False, verbose: bool = False):
     """Run the whole grid and return the results table (a pandas DataFrame)."""
+    if model is None:
+        from ray_zero.models import describe_model
 
-    command = command or " ".join(shlex.quote(a) for a in ["python", "-m", "ray_zero", *sys.argv[1:]])
-    output_dir = output_dir.resolve()
-    check_output_dir(output_dir, resume)
-    experiment = experiment.with_absolute_data_dir()
-    if not (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
-        plan_sweep(experiment, local_cluster())  # reject impossible grids before Ray starts
-
-    context, joined = _start_ray(address)
-    try:
-        _start_autoscaling_coordinator()
-        cluster = _remote_cluster(joined) if joined else local_cluster()
-        plan = plan_sweep(experiment, cluster)
-        dashboard = getattr(context, "dashboard_url", None) or ray._private.worker.get_dashboard_url()
-        print(f"ray_zero: Ray dashboard at http://{dashboard}" if dashboard else
-              "ray_zero: no Ray dashboard (install ray[default] for it)", flush=True)
-        prov = provenance(experiment, cluster, plan, command)
-        if resume:  # the sweep's provenance is the original run's, plus when and how it was resumed
-            prov = {**(read_provenance(output_dir) or {}), "resumed": prov["date"], "resume_command": command}
-        atomic_write(output_dir / EXPERIMENT_FILE,
-                     yaml.safe_dump({"experiment": experiment.model_dump(mode="json"), "provenance": prov},
-                                    sort_keys=False))
-        storage = experiment.storage_path or str(output_dir)
-        if "://" not in storage:  # Tune, Train and pyarrow want an absolute folder
-            storage = str(Path(storage).resolve())
+        model = describe_model(experiment.model, experiment.model_options, experiment.seq_len,
+                               experiment.input_shape, experiment.num_classes)
+    with Session(experiment, model, output_dir, address, command, resume, diagnostics, verbose) as session:
+        plan = session.plan
         if not resume:
-            for point in plan.skipped:
-                append_trial(output_dir, skipped_row(experiment, point, plan, cluster))
-            write_results(output_dir, load_trials(output_dir), prov)
+            session.record_skipped()
         early = f" (+{plan.started_early} starting early)" if plan.started_early else ""
         print(f"ray_zero: {len(plan.runnable)} trials ({len(plan.skipped)} skipped), up to "
               f"{plan.max_concurrent_trials} at once{early} on {'GPU' if plan.use_gpu else 'CPU'}, "
-              f"{plan.precision}; results in {output_dir}", flush=True)
-
-        # The trial is a driver only (the work is in its Train workers): it reserves no CPU, so a
-        # 2-CPU machine can still run a 2-worker trial. Tune needs some resource in the request:
-        # a little memory, which the driver does use.
-        trainable = tune.with_resources(run_trial, {"cpu": 0, "memory": DRIVER_MEMORY_BYTES})
-        tune_dir = join_storage(storage, "tune")
-        if resume:
-            tuner = tune.Tuner.restore(tune_dir, trainable=trainable, resume_unfinished=True,
-                                       resume_errored=False, restart_errored=True)
-            # Trials that finished before the interruption keep their rows (trials.jsonl); only the rest run.
-        else:
-            tuner = tune.Tuner(
-                trainable,
-                param_space={
-                    "experiment": experiment.model_dump(mode="json"),
-                    "point": tune.grid_search(plan.runnable),
-                    "precision": plan.precision,
-                    "use_gpu": plan.use_gpu,
-                    "storage_path": storage,
-                },
-                tune_config=tune.TuneConfig(
-                    max_concurrent_trials=plan.trial_drivers,
-                    # The next trial's driver runs in the finished one's process: no new process and
-                    # imports for every trial (Tune's default for function trainables is False).
-                    reuse_actors=True,
-                    trial_name_creator=lambda t: trial_name(t.config["point"]),
-                    trial_dirname_creator=lambda t: f"{trial_name(t.config['point'])}_{t.trial_id}",
-                ),
-                run_config=tune.RunConfig(name="tune", storage_path=storage,
-                                          callbacks=[ResultsWriter(output_dir, storage)], verbose=0),
-            )
-        tuner.fit()  # every finished trial is already in trials.jsonl (the callback)
-        frame = write_results(output_dir, load_trials(output_dir), prov)
-        write_plots(frame, output_dir)
-        publish(output_dir, storage)
+              f"{plan.precision}; results in {session.output_dir}", flush=True)
         total = len(plan.runnable) + len(plan.skipped)
+        specs = [session.spec(p) for p in plan.runnable]
+        session.tuner({"spec": tune.grid_search(specs)}, total).fit()
+        frame = session.finish()
         if len(frame) < total:  # Tune stops early on Ctrl-C or SIGTERM, after saving its state
             raise SweepIncomplete(len(frame), total)
         return frame
-    finally:
-        if not joined:
-            ray.shutdown()
+
+
+__all__ = ["run_sweep", "Session", "SweepIncomplete", "console_table", "trial_summary"]

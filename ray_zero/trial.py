@@ -1,134 +1,177 @@
-"""One grid point = one Tune trial, which drives one Ray Train run (torch, data parallel) and reports one row.
+"""One grid point = one Tune trial, which runs one `ray.train.torch.TorchTrainer` and reports one row.
 
-Ray's own TuneReportCallback forwards rank 0's metrics only. `AllRanksCallback` (ray_zero.train_run)
-forwards every rank's report to a queue the trial owns; `run_trial` turns them (or the failure) into
-the row. This process trains nothing and imports no torch (bench/README.md, cut 7).
+Three layers, as in Ray Train V2's documented pattern: `train_loop` runs on every worker (a rank);
+`run_trial` is the Tune function trainable that builds the TorchTrainer and calls `fit()` (the driver);
+the Tuner is in ray_zero/sweep.py. Ray's own TuneReportCallback forwards rank 0's metrics only: the
+public `UserCallback.after_report` receives every rank's, and puts them on the sweep's `TrialLog` actor,
+which also counts each rank's attempts. Public Ray API only.
 """
 from __future__ import annotations
 
 import os
-import tempfile
 import time
-from pathlib import Path
-from typing import Any
+from collections import defaultdict
+from typing import Any, Optional
 
+import ray
 from ray import tune
-from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
-from ray.util.queue import Queue
+from ray.train import (FailureConfig, LoggingConfig, RunConfig, ScalingConfig, TrainingFailedError, UserCallback,
+                       WorkerGroupError)
+from ray.train.torch import TorchConfig, TorchTrainer
 
-from ray_zero.clock import process_started_at
-from ray_zero.config import Experiment
-from ray_zero.report import join_storage
-from ray_zero.rows import aggregate_ranks, base_row, finish_row
-from ray_zero.torch_backend import ImportTorchBackendEarly, LazyTorchConfig
-from ray_zero.train_run import (AllRanksCallback, FailedAttemptsCallback, Trainer, one_line_reason,
-                                train_loop_per_worker)
+from ray_zero.config import TrialSpec
+from ray_zero.rows import aggregate_ranks, failed_row_fields, one_line_reason, trial_row
+from ray_zero.store import join_storage
+
+TRIAL_LOG = "ray_zero_trial_log"
 
 
-def _out_of_memory(error: BaseException) -> dict | None:
-    """The memory at failure if `error` is (or wraps) an out-of-memory error, else None."""
-    from ray_zero.worker import TrialOutOfMemory  # torch: only a failed trial pays for the import
+@ray.remote(num_cpus=0)
+class TrialLog:
+    """The sweep's record of what its trials' ranks said, by trial: how often each rank started (its
+    attempt number) and the last report of all ranks. One actor for the whole sweep, looked up by name."""
 
-    for candidate in (error, getattr(error, "cause", None), getattr(error, "__cause__", None)):
-        if isinstance(candidate, TrialOutOfMemory):
-            return candidate.memory
-    return {} if "out of memory" in str(error).lower() else None
+    def __init__(self):
+        self._starts: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self._reports: dict[str, list[dict]] = {}
+
+    def started(self, trial: str, rank: int) -> int:
+        self._starts[trial][rank] += 1
+        return self._starts[trial][rank]
+
+    def reported(self, trial: str, ranks: list[dict]) -> None:
+        self._reports[trial] = ranks
+
+    def take(self, trial: str) -> tuple[Optional[list[dict]], int]:
+        """The last all-rank report and the number of attempts that started, forgotten after."""
+        starts = self._starts.pop(trial, {})
+        return self._reports.pop(trial, None), max(starts.values(), default=0)
 
 
-def failure_fields(error: BaseException) -> dict[str, Any]:
+def trial_log(name: str):
+    return TrialLog.options(name=name, get_if_exists=True, lifetime=None).remote()
+
+
+class AllRanksCallback(UserCallback):
+    """Runs on the Train controller: every rank's report, in rank order, to the trial log."""
+
+    def __init__(self, log, trial: str):
+        self.log, self.trial = log, trial
+
+    def after_report(self, run_context, metrics, checkpoint):
+        ray.get(self.log.reported.remote(self.trial, list(metrics)))
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """Ray Train entry point on every worker: run `train` as this rank, publish live gauges, report once."""
+    import ray.train
+    import ray.train.torch
+    import torch
+    from ray.util.metrics import Gauge
+
+    from ray_zero.worker import train
+
+    spec: TrialSpec = config["spec"]
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    attempt = ray.get(config["log"].started.remote(spec.name + config["trial_id"], rank))
+    diagnostics = None
+    if spec.diagnostics:
+        from ray_zero.diagnostics import Diagnostics
+
+        diagnostics = Diagnostics()
+        diagnostics.figures["node_id"] = ray.get_runtime_context().get_node_id()
+    device = ray.train.torch.get_device() if spec.use_gpu else torch.device("cpu")
+    point = spec.point
+    tags = {"trial": spec.name, "backend": point.backend, "stage": str(point.stage),
+            "micro_batch_size": str(point.micro_batch_size), "num_workers": str(point.num_workers), "rank": str(rank)}
+    # Ray prefixes application metrics with "ray_": the dashboard and Prometheus show ray_zero_loss etc.
+    gauges = {name: Gauge(f"zero_{name}", description=text, tag_keys=tuple(tags))
+              for name, text in (("loss", "training loss of the latest step"),
+                                 ("samples_per_s", "this rank's samples per second, recent steps"),
+                                 ("peak_allocated_gib", "this rank's peak memory so far, GiB"),
+                                 ("step", "optimizer steps done"))}
+
+    def publish(step: int, values: dict[str, float]) -> None:
+        gauges["step"].set(step, tags=tags)
+        for name, value in values.items():
+            if value is not None:
+                gauges[name].set(value, tags=tags)
+
+    metrics = train(spec, rank, world_size, device, attempt=attempt, on_progress=publish, diagnostics=diagnostics)
+    metrics["node_id"] = ray.get_runtime_context().get_node_id()
+    if diagnostics:
+        metrics["diagnostics"] = diagnostics.result()
+    publish(metrics["steps"], {"loss": metrics["loss_last"], "samples_per_s": metrics["samples_per_s"],
+                               "peak_allocated_gib": metrics["peak_allocated_gib"]})
+    ray.train.report(metrics)
+
+
+def _failure_fields(error: BaseException) -> dict[str, Any]:
     """status, error and (for out-of-memory) the memory at the failure, from a failed fit()."""
     failures = getattr(error, "worker_failures", None) if isinstance(error, WorkerGroupError) else None
-    failures = failures or {None: error}
-    for worker_error in failures.values():  # any rank out of memory makes the trial an oom row
-        memory = _out_of_memory(worker_error)
-        if memory is not None:
-            row = {"status": "oom", "error": one_line_reason(worker_error)}
-            if memory:
-                row.update(peak_allocated_gib_max=memory.get("peak_allocated_gib"),
-                           peak_reserved_gib_max=memory.get("peak_reserved_gib"))
-            return row
-    rank, worker_error = next(iter(failures.items()))
-    where = f"rank {rank}: " if rank is not None else ""
-    return {"status": "failed", "error": where + one_line_reason(worker_error)}
+    return failed_row_fields(failures or {None: error})
 
 
 def run_trial(config: dict[str, Any]) -> None:
     """Tune function trainable: run one grid point as a TorchTrainer and report its row to Tune."""
-    driver_started_at = time.time()
-    # The Train controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default), so
-    # a finished trial waited up to 2 s to be noticed: 0.25 s saved about 3 s a trial (bench/README.md).
+    # Read by Ray Train in this process and passed on to its controller. The controller polls its workers
+    # every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default): a finished trial waited up to 2 s to be noticed.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
-    # A trial started early (overlap_startup) waits for the running trial's GPUs: Train's 60 s limit on
-    # that wait would end in a retry, with a warning, every minute of a long trial.
+    # A trial started early (overlap_startup) waits for the running trial's GPUs: Train's 60 s limit on that
+    # wait would end in a retry, with a warning, every minute of a long trial.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(24 * 3600))
-    # Ray Train moves each worker into a new folder per run. The kernels cuDNN compiles at run time (NVRTC)
-    # are reused by a later process only from the same working directory, so every trial's first step
-    # compiled them again: about 1 s on the H200 (bench/README.md, cut 8). Workers stay where Ray started
-    # them; ray_zero's paths are absolute.
+    # Ray Train moves each worker into a new folder per run; the kernels cuDNN compiles at run time are
+    # reused by a later process only from the same working directory (about 1 s a trial on the H200).
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
-    experiment = Experiment.model_validate(config["experiment"])
-    point, precision, use_gpu = config["point"], config["precision"], config["use_gpu"]
+    spec: TrialSpec = config["spec"]
+    experiment, point = spec.experiment, spec.point
     context = tune.get_context()
-    row = base_row(experiment, point, precision, use_gpu)
-    # Tune reuses this process for the next trial (reuse_actors): its start-up is paid once per sweep.
-    row.update(driver_started_at=driver_started_at, driver_pid=os.getpid(),
-               driver_process_started_at=process_started_at())
-    trial = {"experiment": config["experiment"], "point": point, "precision": precision,
-             "use_gpu": use_gpu, "trial_name": context.get_trial_name()}
-    if experiment.fault is not None:
-        # Fault injection counts attempts with marker files (a testing aid for one machine).
-        trial["attempt_dir"] = str(Path(tempfile.gettempdir()) / "ray_zero_attempts" / context.get_trial_id())
-
-    queue = Queue(actor_options={"num_cpus": 0})
-    resources = {"CPU": experiment.cpus_per_worker}
-    if use_gpu:
-        resources["GPU"] = 1
-    # TorchTrainer with a TorchConfig that imports torch only on the controller and the workers.
-    trainer = Trainer(
-        train_loop_per_worker,
-        controller_in_process=experiment.controller_in_trial_driver,
-        train_loop_config=trial,
-        backend_config=LazyTorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=point["num_workers"], use_gpu=use_gpu,
+    trial_key = spec.name + context.get_trial_id()
+    log = ray.get_actor(config["log_name"])
+    resources = {"CPU": experiment.runtime.cpus_per_worker, **({"GPU": 1} if spec.use_gpu else {})}
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"spec": spec, "log": log, "trial_id": context.get_trial_id()},
+        torch_config=TorchConfig(backend="nccl" if spec.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=point.num_workers, use_gpu=spec.use_gpu,
                                      resources_per_worker=resources,
-                                     placement_strategy=experiment.placement_strategy),
-        run_config=RunConfig(name=context.get_trial_id(), storage_path=join_storage(config["storage_path"], "train"),
-                             # A worker that dies while the group starts is a failure of the controller to
-                             # Ray Train, retried without limit by default: here as often as a failed worker.
-                             failure_config=FailureConfig(max_failures=experiment.max_failures,
-                                                          controller_failure_limit=experiment.max_failures),
-                             callbacks=[AllRanksCallback(queue), FailedAttemptsCallback(queue),
-                                        ImportTorchBackendEarly()],
-                             # Read by each worker's Ray core as it starts (Ray's job supervisor does the same).
-                             worker_runtime_env={"env_vars": {"RAY_worker_niceness": str(experiment.worker_niceness)}}),
+                                     placement_strategy=experiment.runtime.placement_strategy),
+        run_config=RunConfig(
+            name=context.get_trial_id(), storage_path=join_storage(spec.storage_path, "train"),
+            # A worker that dies while the group starts is a controller failure to Ray Train, retried
+            # without limit by default: here as often as a worker that fails while training.
+            failure_config=FailureConfig(max_failures=experiment.runtime.max_failures,
+                                         controller_failure_limit=experiment.runtime.max_failures),
+            callbacks=[AllRanksCallback(log, trial_key)],
+            logging_config=LoggingConfig(log_level="WARNING")),  # its per-report lines stay in the logs
     )
-    row["fit_started_at"] = time.time()
+    row = trial_row(spec)
+    fit_started_at = time.time()
     try:
         trainer.fit()
         row["status"] = "ok"
     except TrainingFailedError as error:
-        row.update(failure_fields(error))
-    row["fit_finished_at"] = time.time()
-    reports, failed_attempts = [], 0
-    while not queue.empty():
-        kind, item = queue.get_nowait()
-        if kind == "report":
-            reports = item["ranks"]  # the last report holds each rank's final measurements
-            row["controller_pid"] = item["controller_pid"]
-        else:
-            failed_attempts += 1
-    # The trial's own time runs from the first worker process of the attempt that reported; before
-    # that, Ray Train's controller started (and, for a trial started early, waited for free GPUs).
-    first_worker = min((r["process_started_at"] for r in reports if "process_started_at" in r), default=None)
-    row["queued_s"] = first_worker - row["fit_started_at"] if first_worker else None
-    row["wall_s"] = row["fit_finished_at"] - (first_worker or row["fit_started_at"])
+        row.update(_failure_fields(error))
+    fit_finished_at = time.time()
+    reports, attempts = ray.get(log.take.remote(trial_key))
+    row["attempts"] = attempts
+    row["wall_s"] = fit_finished_at - fit_started_at
     if reports:
         row.update(aggregate_ranks(reports))
-        row["per_rank"] = [{"trial": row["trial"], **r} for r in reports]
+        row["per_rank"] = [{"trial": spec.name, **{k: v for k, v in r.items() if k != "diagnostics"}} for r in reports]
+        if spec.diagnostics:
+            row["diagnostics"] = [{"trial": spec.name, "rank": r["rank"], "fit_started_at": fit_started_at,
+                                   "fit_finished_at": fit_finished_at, "driver_pid": os.getpid(),
+                                   **r.get("diagnostics", {})} for r in reports]
     elif row["status"] == "ok":
         row.update(status="failed", error="no worker reported metrics")
-    # Ray Train retried the worker group after each failure, up to max_failures.
-    row["attempts"] = failed_attempts + (1 if row["status"] == "ok" else 0)
-    queue.shutdown()
-    tune.report(finish_row(row))
+    tune.report(_for_tune(row))
+
+
+def _for_tune(row: dict[str, Any]) -> dict[str, Any]:
+    """Tune's results hold flat values: the per-rank lists travel as one JSON string."""
+    import json
+
+    nested = {k: row.pop(k) for k in ("per_rank", "diagnostics", "loss_by_epoch") if k in row}
+    return {**row, "nested_json": json.dumps(nested, default=str)}
