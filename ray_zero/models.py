@@ -137,17 +137,23 @@ def checkpoint_blocks(blocks: Iterable[nn.Module]) -> Callable[[nn.Module], None
 
 
 def find_blocks(module: nn.Module) -> list[nn.Module] | None:
-    """The repeated layers: the ModuleList / Sequential of one class of module that holds most parameters."""
-    best, best_params = None, 0
-    for container in module.modules():
-        children = list(container.children())
-        if not isinstance(container, (nn.ModuleList, nn.Sequential)) or not children:
-            continue
-        if len({type(child) for child in children}) == 1:
-            held = sum(p.numel() for p in container.parameters())
-            if held > best_params:
-                best, best_params = children, held
-    return best
+    """The repeated layers, found without knowing the model: of the classes of module that are items of
+    a ModuleList or Sequential (containers and leaves like Linear aside), the one whose outermost
+    instances hold the most parameters; all its outermost instances, in order. None if there is none."""
+    containers = (nn.ModuleList, nn.Sequential)
+    candidates = {type(child) for container in module.modules() if isinstance(container, containers)
+                  for child in container.children()
+                  if not isinstance(child, containers) and next(child.children(), None) is not None}
+
+    def outermost(cls: type, root: nn.Module = module):
+        for child in root.children():
+            yield from [child] if type(child) is cls else outermost(cls, child)
+
+    def held(cls: type) -> int:
+        return sum(p.numel() for block in outermost(cls) for p in block.parameters())
+
+    best = max(candidates, key=held, default=None)
+    return list(outermost(best)) if best is not None else None
 
 
 def _build(model: str, config: dict | None, seq_len: int | None, input_shape: list[int] | None,
@@ -175,7 +181,8 @@ def _preset(name, config, seq_len, input_shape, num_classes) -> _Built:
         raise ModelError(f"preset {name!r} takes no model_config (got {sorted(config)}); its sizes are "
                          "fixed in ray_zero/sizes.py: use hf:, timm: or a factory for another shape")
     _refuse(name, "it trains on 1x28x28 MNIST-shaped images, 10 classes", seq_len=seq_len,
-            input_shape=None if input_shape in (None, [1, IMAGE_SIZE, IMAGE_SIZE]) else input_shape,
+            input_shape=None if input_shape in (None, [1, IMAGE_SIZE, IMAGE_SIZE], (1, IMAGE_SIZE, IMAGE_SIZE))
+            else input_shape,
             num_classes=None if num_classes in (None, NUM_CLASSES) else num_classes)
     module = SmallTransformer(PRESETS[name])
     blocks = list(module.transformer.layers)
@@ -195,7 +202,8 @@ def _hf(model_type, config, seq_len, input_shape, num_classes, counting) -> _Bui
     config_class = CONFIG_MAPPING[model_type]
     # Transformers keeps unknown keys silently, so a typo would train the default shape: refuse it.
     known = (set(config_class().to_dict()) | set(inspect.signature(config_class.__init__).parameters)
-             | set(getattr(config_class, "attribute_map", {})) | {"num_labels"}) - {"self", "kwargs"}
+             | set(getattr(config_class, "attribute_map", {})) | {"num_labels", "attn_implementation"}) \
+        - {"self", "kwargs"}
     for key in config:
         if key not in known:
             raise ModelError(f"unknown model_config key {key!r} for {source}{_did_you_mean(key, known)}")
@@ -279,19 +287,18 @@ def _timm(name, config, seq_len, input_shape, num_classes) -> _Built:
     if size is not None:
         height, width = (size, size) if isinstance(size, int) else size
     shape = tuple(input_shape or (config.get("in_chans", channels), height, width))
-    blocks = list(module.blocks) if isinstance(getattr(module, "blocks", None), nn.Module) else find_blocks(module)
-    spec = _classifier_spec(module, shape, module.num_classes, blocks,
+    spec = _classifier_spec(module, shape, module.num_classes, find_blocks(module),
                             lambda model: model.set_grad_checkpointing(True))
     return _Built(spec, "timm", "image-classification", detail=_image_detail(shape, module.num_classes))
 
 
 def _factory(source, target, function, config, seq_len, input_shape, num_classes) -> _Built:
+    _refuse(source, "a factory gets model_config only", seq_len=seq_len)
     factory = _load_factory(source, target, function)
     try:
         made = factory(**config)
     except Exception as error:
         raise ModelError(f"factory {source} raised {_one_line(error)}") from None
-    _refuse(source, "a factory gets model_config only", seq_len=seq_len)
     if isinstance(made, ModelSpec):
         _refuse(source, "its ModelSpec makes its own batches", input_shape=input_shape, num_classes=num_classes)
         if made.enable_checkpointing is None and made.blocks:  # the protocol's default, made explicit

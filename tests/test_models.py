@@ -5,6 +5,7 @@ to the same gradients with fewer saved bytes; FLOPs come from FlopCounterMode; b
 """
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import time
@@ -48,8 +49,13 @@ def _spec(name: str) -> ModelSpec:
     return build_model_spec(*SOURCES[name])
 
 
-def _batch(spec: ModelSpec, n: int = 4):
-    return spec.make_batch(n, torch.device("cpu"), torch.Generator().manual_seed(1))
+def _batch(spec: ModelSpec, n: int = 4, seed: int = 1):
+    return spec.make_batch(n, torch.device("cpu"), torch.Generator().manual_seed(seed))
+
+
+def _first(spec: ModelSpec, seed: int) -> torch.Tensor:
+    batch = _batch(spec, seed=seed)
+    return batch[0] if isinstance(batch, tuple) else batch
 
 
 @pytest.mark.parametrize("name", SOURCES)
@@ -57,7 +63,9 @@ def test_each_source_builds_trains_and_is_counted_like_the_real_module(name):
     spec = _spec(name)
     batch = _batch(spec)
     first = batch[0] if isinstance(batch, tuple) else batch
-    assert first.shape[0] == 4
+    assert first.shape[0] == 4 and first.device.type == "cpu"
+    # The batch comes from the generator it is given: the same seed, the same batch; another, another.
+    assert torch.equal(_batch(spec)[0], batch[0]) and not torch.equal(_first(spec, seed=7), first)
     optimizer = torch.optim.AdamW(spec.module.parameters(), lr=3e-3)
     losses = []
     for _ in range(6):
@@ -125,15 +133,28 @@ def test_preset_flops_counted_agree_with_the_shape_formula(preset):
     assert info.flops_per_sample == pytest.approx(PRESETS[preset].flops_per_sample(), rel=0.05)
 
 
-def test_presets_keep_their_parameter_counts():
+def test_presets_keep_their_parameter_counts_and_info_is_plain_data():
     assert describe_model("seed").params == 274_698
-    assert describe_model("large").params == 805_888_010
+    info = describe_model("large")
+    assert info.params == 805_888_010 and info.param_bytes == 4 * 805_888_010
+    assert pickle.loads(pickle.dumps(info)) == info
+
+
+def test_timm_kwargs_reach_the_model_and_its_input_size():
+    info = describe_model("timm:test_vit", {"img_size": 64, "num_classes": 7})
+    assert info.description.endswith("input 3x64x64, 7 classes")
+    assert info.flops_per_sample < describe_model("timm:test_vit").flops_per_sample
 
 
 def test_blocks_are_the_repeated_layers():
     assert [type(b).__name__ for b in _spec("gpt2").blocks] == ["GPT2Block"] * 2
     assert [type(b).__name__ for b in _spec("llama").blocks] == ["LlamaDecoderLayer"] * 2
     assert [type(b).__name__ for b in _spec("module-factory").blocks] == ["ConvBlock"] * 3
+    assert [type(b).__name__ for b in _spec("timm").blocks] == ["Block"] * len(_spec("timm").module.blocks)
+    with torch.device("meta"):  # a ResNet's blocks sit in four stages: all eight are found
+        import timm
+        resnet = timm.create_model("resnet18", pretrained=False)
+    assert [type(b).__name__ for b in find_blocks(resnet)] == ["BasicBlock"] * 8
     assert find_blocks(torch.nn.Linear(2, 2)) is None
 
 
