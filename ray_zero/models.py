@@ -158,6 +158,8 @@ def find_blocks(module: nn.Module) -> list[nn.Module] | None:
 
 def _build(model: str, config: dict | None, seq_len: int | None, input_shape: list[int] | None,
            num_classes: int | None, counting: bool) -> _Built:
+    if config is not None and not isinstance(config, dict):
+        raise ModelError(f"model_config must be a mapping of keyword arguments, not {type(config).__name__}")
     config = dict(config or {})
     if not isinstance(model, str) or not model:
         raise ModelError(f"model must be a non-empty string; {ALLOWED_FORMS}")
@@ -180,14 +182,14 @@ def _preset(name, config, seq_len, input_shape, num_classes) -> _Built:
     if config:
         raise ModelError(f"preset {name!r} takes no model_config (got {sorted(config)}); its sizes are "
                          "fixed in ray_zero/sizes.py: use hf:, timm: or a factory for another shape")
+    shape = (1, IMAGE_SIZE, IMAGE_SIZE)
     _refuse(name, "it trains on 1x28x28 MNIST-shaped images, 10 classes", seq_len=seq_len,
-            input_shape=None if input_shape in (None, [1, IMAGE_SIZE, IMAGE_SIZE], (1, IMAGE_SIZE, IMAGE_SIZE))
-            else input_shape,
+            input_shape=None if input_shape is None or tuple(input_shape) == shape else input_shape,
             num_classes=None if num_classes in (None, NUM_CLASSES) else num_classes)
     module = SmallTransformer(PRESETS[name])
     blocks = list(module.transformer.layers)
-    spec = _classifier_spec(module, (1, IMAGE_SIZE, IMAGE_SIZE), NUM_CLASSES, blocks, checkpoint_blocks(blocks))
-    return _Built(spec, "preset", "image-classification", detail=_image_detail((1, IMAGE_SIZE, IMAGE_SIZE), 10))
+    spec = _classifier_spec(module, shape, NUM_CLASSES, blocks, checkpoint_blocks(blocks))
+    return _Built(spec, "preset", "image-classification", detail=_image_detail(shape, NUM_CLASSES))
 
 
 def _hf(model_type, config, seq_len, input_shape, num_classes, counting) -> _Built:
