@@ -52,8 +52,8 @@ COMPONENTS = [  # (key, label, colour) of the breakdown's stacked bars, bottom t
     ("master_param_bytes", "master weights (fp32)", "#55a868"),
     ("optimizer_state_bytes", "optimizer states", "#c44e52"),
     ("activation_bytes", "activations (saved for backward)", "#8172b3"),
-    ("rest_bytes", "the rest of the peak", "#b7b7b7"),
-    ("unsplit_bytes", "activations and the rest (peak less model states)", "#d7cce8"),
+    ("rest_bytes", "the rest", "#b7b7b7"),
+    ("unsplit_bytes", "activations + the rest (peak - states)", "#d7cce8"),
 ]
 """unsplit: rows that did not count the bytes saved for backward (earlier versions) show the peak less the
 model states as one part."""
@@ -375,6 +375,22 @@ def table(frame: pd.DataFrame, columns: list[tuple[str, str, str]] = TABLE_COLUM
 
 # --------------------------------------------------------------------------------------------- figures
 
+def legend_right(fig, handles: list, left_chars: Optional[int] = None) -> None:
+    """The legend in a column to the right of the axes, as wide as its longest label, the axes laid out in
+    the rest (no second drawing pass, as bbox_inches="tight" would make: a 50-row page stays fast).
+    With `left_chars` (the longest tick label, at 7.5 points) the margins are set by arithmetic rather than
+    by tight_layout's measuring of every label: the breakdown's many bars."""
+    width_in, height_in = fig.get_figwidth(), fig.get_figheight()
+    longest = max((len(h.get_label()) for h in handles), default=0)
+    share = min(0.45, (0.55 + 0.056 * longest) / width_in)  # 8-point DejaVu Sans: about 0.056 in a character
+    if left_chars is None:
+        fig.tight_layout(rect=(0, 0, 1 - share, 1))
+    else:
+        fig.subplots_adjust(left=min(0.5, (0.3 + 0.064 * left_chars) / width_in), right=1 - share - 0.02,
+                            bottom=0.5 / height_in, top=1 - 0.12 / height_in)
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(1 - share + 0.005, 0.98), fontsize=8,
+               frameon=False)
+
 @dataclass
 class Figure:
     id: str
@@ -405,7 +421,7 @@ class Figures:
     def svg(self, fig, figure: Figure, titles: dict[str, str]) -> str:
         with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": figure.id, "font.size": 9}):
             buffer = io.StringIO()
-            fig.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None})
+            fig.savefig(buffer, format="svg", metadata={"Date": None})
         plt.close(fig)
         text = buffer.getvalue()
         text = text[text.index("<svg"):]  # drop the XML declaration and DOCTYPE: inline in HTML
@@ -424,7 +440,7 @@ class Figures:
         values = sorted(rows[other].dropna().unique())
         columns = min(3, len(values))
         fig, axes = plt.subplots((len(values) + columns - 1) // columns, columns, squeeze=False, sharey=True,
-                                 figsize=(9.2 if columns > 1 else 6.4, 3.4 * ((len(values) + columns - 1) // columns)))
+                                 figsize=(9.6 if columns > 1 else 7.6, 3.6 * ((len(values) + columns - 1) // columns)))
         for ax in axes.flat[len(values):]:
             ax.set_visible(False)
         def title(value) -> str:
@@ -519,7 +535,7 @@ class Figures:
         if speed_rows == 2:  # a second row of axes for MFU under each facet
             plt.close(fig)
             count = len(facets)
-            fig, grid = plt.subplots(2, count, squeeze=False, figsize=(min(9.2, 3.2 * count + 1.5), 5.6),
+            fig, grid = plt.subplots(2, count, squeeze=False, figsize=(min(9.6, 3.4 * count + 4.2), 5.8),
                                      sharex="col")
             facets = [(grid[0, i], v, g, t) for i, (_, v, g, t) in enumerate(facets)]
             mfu_axes = list(grid[1])
@@ -573,6 +589,7 @@ class Figures:
             if what == "memory" and gpu and self.memory:
                 ax.axhline(self.memory, color="black", linestyle=":", linewidth=1)
             ax.set_title(facet_title, fontsize=9)
+            ax.margins(y=0.1)
             ax.set_ylim(bottom=0)
             self._x_axis(ax, axis, plotted[axis])
         for ax in mfu_axes:
@@ -607,8 +624,7 @@ class Figures:
                                    label="out of memory (memory at failure)")]
             if gpu and self.memory:
                 handles += [Line2D([], [], color="black", linestyle=":", label=f"device memory {self.memory:.1f} GiB")]
-        fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 0.95), fontsize=8, frameon=False)
-        fig.tight_layout()
+        legend_right(fig, handles)
         figure.svg = self.svg(fig, figure, titles)
         if what == "memory" and gpu and not self.memory:
             figure.caption += " The device's memory is not recorded in this folder: no line for it."
@@ -705,8 +721,8 @@ class Figures:
                                  dict(known[-1][1], label=known[-1][1]["label"] + " (highest peak)")]
                 values = [p for p, _ in peaks if p is not None]
                 if len(values) > 1:
-                    spreads.append(f"{record['trial']}: {min(values):.2f}–{max(values):.2f} GiB over "
-                                   f"{len(values)} ranks (spread {max(values) - min(values):.3f} GiB)")
+                    spreads.append((max(values) - min(values), f"{record['trial']}: {min(values):.2f}–"
+                                    f"{max(values):.2f} GiB over {len(values)} ranks"))
                 for rank in ranks:
                     parts, _ = self._measured_bar(rank, cpu)
                     bars.append((f"{record['trial']} · {rank['label']}", parts, record["trial"],
@@ -714,25 +730,35 @@ class Figures:
                 predicted, rest = self._predicted_bar(record)
                 if predicted is not None:
                     bars.append((f"{record['trial']} · predicted", predicted, record["trial"], "predicted", True, rest))
-            fig, ax = plt.subplots(figsize=(8.4, 0.8 + 0.3 * len(bars)))
+            fig, ax = plt.subplots(figsize=(9.6, 0.8 + 0.3 * len(bars)))
             titles: dict[str, str] = {}
             positions = list(range(len(bars)))[::-1]
             used = set()
-            for y, (name, parts, trial, who, is_prediction, rest) in zip(positions, bars):
-                left = 0.0
-                for key, words, colour in COMPONENTS:
-                    value = parts.get(key)
-                    if value is None:
+            lefts = [0.0] * len(bars)
+            for key, words, colour in COMPONENTS:  # one barh per component and kind: fast for many rows
+                for is_prediction in (False, True):
+                    chosen = [(i, y) for i, (y, bar) in enumerate(zip(positions, bars))
+                              if bar[4] is is_prediction and bar[1].get(key) is not None]
+                    if not chosen:
                         continue
                     used.add(key)
-                    (rect,) = ax.barh(y, value / GIB, left=left / GIB, height=0.72, color=colour,
-                                      hatch="//" if is_prediction else None, edgecolor="white" if not is_prediction else "#444",
-                                      linewidth=0.5)
-                    gid = f"{figure.id}--{'predicted' if is_prediction else 'measured'}--{trial}--{who}--{key}"
-                    rect.set_gid(gid)
-                    titles[gid] = f"{name}: {words} {value / GIB:.3f} GiB" + (rest if key == "rest_bytes" else "")
-                    left += value
-                ax.text(left / GIB, y, f" {left / GIB:.2f}", va="center", fontsize=7)
+                    widths = [bars[i][1][key] / GIB for i, _ in chosen]
+                    drawn = ax.barh([y for _, y in chosen], widths, left=[lefts[i] for i, _ in chosen], height=0.72,
+                                    color=colour, hatch="//" if is_prediction else None, linewidth=0.5,
+                                    edgecolor="#444" if is_prediction else "white")
+                    for (i, _), width, rect in zip(chosen, widths, drawn.patches):
+                        name, _, trial, who, _, rest = bars[i]
+                        gid = f"{figure.id}--{'predicted' if is_prediction else 'measured'}--{trial}--{who}--{key}"
+                        rect.set_gid(gid)
+                        titles[gid] = f"{name}: {words} {width:.3f} GiB" + (rest if key == "rest_bytes" else "")
+                        lefts[i] += width
+            for y, total in zip(positions, lefts):
+                ax.text(total, y, f" {total:.2f}", va="center", fontsize=7)
+            trials = list(dict.fromkeys(b[2] for b in bars))
+            for y, bar in zip(positions, bars):  # a light band behind every other trial's bars
+                if trials.index(bar[2]) % 2:
+                    ax.axhspan(y - 0.5, y + 0.5, color="#eef1f4", zorder=0, linewidth=0)
+            ax.set_ylim(-0.6, len(bars) - 0.4)
             ax.set_yticks(positions)
             ax.set_yticklabels([b[0] for b in bars], fontsize=7.5)
             ax.set_xlabel("GiB per rank" + (" (model states only: CPU)" if cpu else ""))
@@ -744,8 +770,7 @@ class Figures:
                     ax.axvline(self.memory, color="black", linestyle=":", linewidth=1)
             legend = [Patch(facecolor=c, label=w) for k, w, c in COMPONENTS if k in used]
             legend.append(Patch(facecolor="white", edgecolor="#444", hatch="//", label="predicted (memory model)"))
-            fig.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 0.95), fontsize=8, frameon=False)
-            fig.tight_layout()
+            legend_right(fig, legend, left_chars=max(len(b[0]) for b in bars))
             figure.svg = self.svg(fig, figure, titles)
             figure.caption = (
                 "Per rank, the model states counted tensor by tensor after the first step (parameters, gradients, "
@@ -757,8 +782,11 @@ class Figures:
             if "unsplit_bytes" in used:
                 figure.caption += (" This folder's rows do not record the bytes saved for backward: the lilac part "
                                    "is the peak less the model states (activations, buckets, temporaries together).")
-            if spreads:
-                figure.caption += " Spread of the peak over ranks: " + "; ".join(spreads) + "."
+            if spreads:  # the widest three
+                spreads.sort(key=lambda item: -item[0])
+                figure.caption += (" The peak over ranks, widest spread first: "
+                                   + "; ".join(text for _, text in spreads[:3])
+                                   + (f" (and {len(spreads) - 3} more trials)" if len(spreads) > 3 else "") + ".")
             figures.append(figure)
         return figures
 
@@ -822,8 +850,7 @@ class Figures:
                     Line2D([], [], color="gray", marker="*", markersize=12, linestyle="none", label="largest that fits")]
         if budget:
             handles.append(Line2D([], [], color="firebrick", linestyle="--", label=f"budget {budget:.2f} GiB"))
-        fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 0.95), fontsize=8, frameon=False)
-        fig.tight_layout()
+        legend_right(fig, handles)
         figure.svg = self.svg(fig, figure, titles)
         return figure
 

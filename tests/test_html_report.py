@@ -1,0 +1,252 @@
+"""report.html from the committed GPU results, opened in headless Chromium (Debian's `chromium`).
+
+Each folder is copied to tmp_path, brought to this version's columns with `report.rerender`, then
+rendered. The browser loads a copy of the page with two scripts of this test around it: one before the
+page's own that records script errors and console.error calls, one after it that counts what was drawn
+(the SVG markers, by their ids), clicks a column heading and writes it all into the DOM; `--dump-dom`
+hands the DOM back. A second run takes a screenshot of the page itself.
+"""
+from __future__ import annotations
+
+import html
+import json
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from ray_zero.html_report import render_html, write_html_report
+from ray_zero.report import rerender
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_FOLDERS = ["memory_scaling-h200x2", "oom_probe-h200", "zero1_mnist-h200"]
+CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"), "/usr/bin/chromium")
+                 if p and Path(p).is_file()), None)
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Chromium not found: `apt-get install -y chromium` "
+                                                             "(Debian's package; .ci/run installs it)")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
+
+BEFORE = """<script>
+window.__errors = [];
+window.addEventListener("error", function (e) { window.__errors.push("error: " + e.message); });
+(function () { var original = console.error;
+  console.error = function () { window.__errors.push("console.error: " + Array.from(arguments).join(" "));
+                                original.apply(console, arguments); }; })();
+</script>"""
+AFTER = """<script>
+(function () {
+  var out = {errors: window.__errors, rows: [], figures: [], sorted: null};
+  try {
+    out.rows = Array.from(document.querySelectorAll("#results-table tbody tr")).map(function (r) {
+      return r.getAttribute("data-trial"); });
+    document.querySelectorAll("figure[data-figure]").forEach(function (f) {
+      var marks = Array.from(f.querySelectorAll('[id^="' + f.id + '--"]')).map(function (g) {
+        var box = g.getBoundingClientRect();
+        return {id: g.id, uses: g.querySelectorAll("use").length, shapes: g.querySelectorAll("path, use").length,
+                width: box.width, height: box.height};
+      });
+      out.figures.push({id: f.id, kind: f.getAttribute("data-kind"), drawn: f.getAttribute("data-drawn"),
+                        svgs: f.querySelectorAll("svg").length, text: f.textContent.trim().slice(0, 300),
+                        marks: marks});
+    });
+    var table = document.getElementById("results-table");
+    var th = table.querySelector('th[data-key="samples_per_s"]');
+    if (th) {
+      var column = th.cellIndex, read = function () {
+        return Array.from(table.tBodies[0].rows).map(function (r) { return r.cells[column].getAttribute("data-sort"); }); };
+      th.click(); var up = read(); th.click(); var down = read();
+      out.sorted = {ascending: up, descending: down};
+    }
+  } catch (e) { out.errors.push("check: " + e.message); }
+  var pre = document.createElement("pre"); pre.id = "test-results"; pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+})();
+</script>"""
+
+
+def chromium(*args: str, profile: Path, timeout: float = 60) -> str:
+    profile.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True,
+                          timeout=timeout)
+    return done.stdout
+
+
+def open_page(page: Path, tmp_path: Path) -> dict:
+    """The page as Chromium ran it: script errors, table rows, each figure's tagged marks, the sort."""
+    text = page.read_text()
+    assert text.count("<head>") == 1 and text.count("</body>") == 1
+    harness = page.with_name("harness.html")
+    harness.write_text(text.replace("<head>", "<head>" + BEFORE, 1).replace("</body>", AFTER + "</body>", 1))
+    dom = chromium("--dump-dom", harness.as_uri(), profile=tmp_path / "profile-dom")
+    found = re.search(r'<pre id="test-results">(.*?)</pre>', dom, re.S)
+    assert found, f"the page's check script wrote nothing; Chromium printed {dom[:500]!r}"
+    return json.loads(html.unescape(found.group(1)))
+
+
+def screenshot(page: Path, tmp_path: Path, path: Path, width: int = 1280, height: int = 2000) -> Path:
+    chromium(f"--screenshot={path}", f"--window-size={width},{height}", page.as_uri(), profile=tmp_path / "profile-shot")
+    assert path.is_file(), "Chromium took no screenshot"
+    return path
+
+
+def not_blank(path: Path) -> None:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        pixels = image.convert("RGB")
+        colours = pixels.getcolors(maxcolors=1 << 16)
+        assert colours is None or len(colours) > 50, f"{path.name}: {len(colours or [])} colours: a blank page"
+        white = pixels.point(lambda v: 255 if v > 245 else 0).convert("L").histogram()[255]
+        assert white < 0.97 * image.width * image.height, f"{path.name}: almost all white"
+
+
+def rendered_copy(name: str, tmp_path: Path) -> Path:
+    folder = tmp_path / name
+    shutil.copytree(ROOT / "results" / name, folder)
+    (folder / "report.html").unlink(missing_ok=True)
+    rerender(folder)
+    write_html_report(folder)
+    return folder
+
+
+def marks(figure: dict, role: str) -> dict[str, dict]:
+    """The figure's marks of one role, by trial (ids read FIGURE--ROLE--TRIAL[--RANK--COMPONENT])."""
+    found: dict[str, dict] = {}
+    for mark in figure["marks"]:
+        parts = mark["id"].split("--")
+        if parts[1] == role:
+            found.setdefault(parts[2], []).append(mark)
+    return found
+
+
+def check_page(folder: Path, tmp_path: Path) -> dict:
+    """Everything the browser says about a rendered folder, checked against its results.csv."""
+    results = pd.read_csv(folder / "results.csv")
+    page = open_page(folder / "report.html", tmp_path)
+    assert page["errors"] == [], page["errors"]
+    assert sorted(page["rows"]) == sorted(results["trial"]), "the table has one row per trial of results.csv"
+    ok = results[results["status"] == "ok"]
+    oom = results[results["status"] == "oom"]
+    figures = {f["kind"]: f for f in page["figures"]}
+    for figure in page["figures"]:
+        if figure["drawn"] == "no":
+            assert figure["svgs"] == 0 and len(figure["text"]) > 40, f"{figure['id']}: skipped without a sentence"
+            continue
+        assert figure["svgs"] == 1, figure["id"]
+        kind = figure["kind"]
+        if kind.startswith(("memory-", "speed-")):
+            measured = marks(figure, "measured")
+            column = "peak_allocated_gib_max" if kind.startswith("memory-") else "samples_per_s"
+            assert sorted(measured) == sorted(ok[ok[column].notna()]["trial"]), f"{kind}: one marker per ok row"
+            for trial, drawn in measured.items():  # exactly one marker, drawn with a size
+                assert len(drawn) == 1 and drawn[0]["uses"] == 1 and drawn[0]["width"] > 0, (kind, trial, drawn)
+        if kind.startswith("memory-"):
+            predicted = marks(figure, "predicted")
+            assert sorted(predicted) == sorted(ok[ok["predicted_peak_gib"].notna()]["trial"]), kind
+            assert sorted(marks(figure, "oom")) == sorted(oom[oom["peak_allocated_gib_max"].notna()]["trial"]), kind
+        if kind == "speed-num_workers" or kind == "speed-micro_batch_size":
+            assert sorted(marks(figure, "mfu")) == sorted(ok[ok["mfu"].notna()]["trial"]), kind
+    breakdown = [f for f in page["figures"] if f["kind"] == "breakdown" and f["drawn"] == "yes"]
+    bars = {trial: drawn for f in breakdown for trial, drawn in marks(f, "measured").items()}
+    assert sorted(bars) == sorted(ok["trial"]), "a measured bar for every ok row"
+    per_rank = pd.read_csv(folder / "per_rank.csv")
+    for trial, drawn in bars.items():
+        ranks = {m["id"].split("--")[3] for m in drawn}
+        count = len(per_rank[per_rank["trial"] == trial])
+        assert len(ranks) == (count if count <= 4 else 2), (trial, ranks)  # many ranks: the lowest and highest
+        assert sum(m["width"] for m in drawn) > 0
+    predicted_bars = {trial for f in breakdown for trial in marks(f, "predicted")}
+    assert predicted_bars == set(ok["trial"]), "the memory model's bar beside each ok row"
+    sorted_values = page["sorted"]
+    assert sorted_values, "the table has a samples/s column to sort by"
+    numbers = [float(v) for v in sorted_values["ascending"] if v]
+    assert numbers == sorted(numbers) and sorted_values["ascending"][len(numbers):] == [""] * (len(results) - len(numbers))
+    assert [float(v) for v in sorted_values["descending"] if v] == sorted(numbers, reverse=True)
+    return figures
+
+
+@needs_chromium
+@pytest.mark.parametrize("name", GPU_FOLDERS)
+def test_gpu_results_page_in_chromium(name, tmp_path):
+    folder = rendered_copy(name, tmp_path)
+    figures = check_page(folder, tmp_path)
+    if name == "memory_scaling-h200x2":  # 1 and 2 workers ran: lines against workers
+        assert figures["memory-num_workers"]["drawn"] == "yes" and figures["speed-num_workers"]["drawn"] == "yes"
+    if name == "oom_probe-h200":  # micro-batch 4096 fitted, 16384 did not: the × at the memory it held
+        assert figures["memory-micro_batch_size"]["drawn"] == "yes"
+        assert len(marks(figures["memory-micro_batch_size"], "oom")) == 2
+    if name == "zero1_mnist-h200":  # one point per setting: sentences, not figures
+        assert figures["memory-num_workers"]["drawn"] == "no"
+    text = html.unescape((folder / "report.html").read_text())
+    provenance = yaml.safe_load((folder / "experiment.yaml").read_text())["provenance"]
+    for key in ("date", "command", "driver_gpus", "torch", "deepspeed", "ray"):
+        assert str(provenance[key]) in text, key
+    params = int(pd.read_csv(folder / "results.csv")["params"].iloc[0])
+    assert f"{params:,} parameters" in text
+    not_blank(screenshot(folder / "report.html", tmp_path, tmp_path / "shot.png"))
+
+
+def fifty_rows(tmp_path: Path) -> Path:
+    """memory_scaling's real rows repeated under distinct trial names to 50 trials."""
+    source = ROOT / "results" / "memory_scaling-h200x2"
+    folder = tmp_path / "fifty"
+    folder.mkdir()
+    shutil.copy(source / "experiment.yaml", folder / "experiment.yaml")
+    rows = [json.loads(line) for line in (source / "trials.jsonl").read_text().splitlines() if line.strip()]
+    with open(folder / "trials.jsonl", "w") as out:
+        for index in range(50):
+            row = json.loads(json.dumps(rows[index % len(rows)]))
+            row["trial"] = f"{row['trial']}_copy{index // len(rows)}"
+            for rank in row.get("per_rank") or []:
+                rank["trial"] = row["trial"]
+            out.write(json.dumps(row) + "\n")
+    rerender(folder)
+    assert len(pd.read_csv(folder / "results.csv")) == 50
+    return folder
+
+
+def test_fifty_rows_page_is_small_and_fast(tmp_path):
+    folder = fifty_rows(tmp_path)
+    render_html(folder)  # the first page pays matplotlib's and Jinja's warm-up
+    started = time.perf_counter()
+    path = write_html_report(folder)
+    took = time.perf_counter() - started
+    size = path.stat().st_size
+    assert size < 5 * 1024 ** 2, f"a 50-row page of {size / 1024 ** 2:.2f} MB (bound: 5 MB with SVG figures)"
+    assert took < 2.0, f"the 50-row page took {took:.2f} s to build (bound: 2 s)"
+    assert "http://" not in re.sub(r'xmlns(:\w+)?="http://[^"]+"|"http://www.w3.org/[^"]+"', "", path.read_text()), \
+        "the page loads nothing from the network"
+    assert re.search(r"<script[^>]+src=|<link[^>]+href=", path.read_text()) is None
+
+
+@needs_chromium
+def test_fifty_rows_page_in_chromium(tmp_path):
+    folder = fifty_rows(tmp_path)
+    write_html_report(folder)
+    check_page(folder, tmp_path)
+
+
+def test_folders_of_older_versions(tmp_path):
+    """No per_rank.csv (nor ranks in trials.jsonl), or only results.csv: the page still says what it can."""
+    folder = tmp_path / "no_ranks"
+    shutil.copytree(ROOT / "results" / "memory_scaling-h200x2", folder)
+    (folder / "per_rank.csv").unlink()
+    rows = [json.loads(line) for line in (folder / "trials.jsonl").read_text().splitlines() if line.strip()]
+    (folder / "trials.jsonl").write_text("".join(json.dumps({k: v for k, v in row.items() if k != "per_rank"}) + "\n"
+                                                for row in rows))
+    text = write_html_report(folder).read_text()
+    assert "max over ranks" in text and "--measured--stage1_mb64_w2--maxoverranks--parameter_bytes" in text
+    only_table = tmp_path / "only_table"
+    only_table.mkdir()
+    table = pd.read_csv(ROOT / "results" / "oom_probe-h200" / "results.csv")
+    table.drop(columns=[c for c in ("backend", "activation_checkpointing", "offload_optimizer", "mfu")
+                        if c in table]).to_csv(only_table / "results.csv", index=False)
+    text = write_html_report(only_table).read_text()
+    assert text.count('<tr class="status-') == len(table)
+    assert "No question recorded" in text and "out of memory" in text
