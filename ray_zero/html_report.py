@@ -368,7 +368,7 @@ def table(frame: pd.DataFrame, columns: list[tuple[str, str, str]] = TABLE_COLUM
             cells.append({"text": text, "sort": "" if not _present(value) else (
                 repr(number) if number is not None else str(value)), "numeric": number is not None,
                 "column": column, "title": title})
-        body.append({"status": str(record.get("status")), "cells": cells, "trial": record["trial"]})
+        body.append({"status": str(record.get("status") or ""), "cells": cells, "trial": record.get("trial", "")})
     return {"columns": [{"key": c, "heading": h, "hint": t} for c, h, t in shown], "rows": body,
             "constant": constant}
 
@@ -834,8 +834,8 @@ class Figures:
                     y = _number(answer.get("peak_gib")) or (
                         _number(match["peak_allocated_gib_max"].iloc[0]) if len(match) else None)
                     if y is not None:
-                        ax.plot([self.shift(answer["max_micro_batch"])], [y], "*", color=colour, markersize=15,
-                                markeredgecolor="black", markeredgewidth=0.6, linestyle="none", zorder=3)
+                        ax.plot([self.shift(answer["max_micro_batch"])], [y], "*", color=colour, markersize=22,
+                                alpha=0.45, markeredgecolor="black", markeredgewidth=0.6, linestyle="none", zorder=1.5)
             if budget:
                 ax.axhline(budget, color="firebrick", linestyle="--", linewidth=1)
             ax.set_title(facet_title, fontsize=9)
@@ -870,7 +870,8 @@ class Figures:
         for y, record in zip(range(len(records))[::-1], records):
             label = setting_label(record)
             colour = _colour(self.colours.get(label, 0))
-            names.append((y, f"{label}, {_int_text(record['num_workers'])} workers"))
+            workers = _int_text(record["num_workers"])
+            names.append((y, f"{label}, {workers} worker" + ("" if workers == "1" else "s")))
             key = f"{label.replace(' ', '_')}_w{_int_text(record['num_workers'])}"
             (bar,) = size.barh(y, record["max_micro_batch"], color=colour, height=0.7)
             bar.set_gid(f"{figure.id}--max--{key}")
@@ -913,9 +914,9 @@ def render_html(output_dir: Path) -> str:
             workers.title = f"{section['title']} against workers and micro-batch size ({section['device']})"
             section["figures"] = [workers]
     sections.append({"title": "Where the memory went", "figures": figures.breakdown()})
-    fit_table = None
+    fit_table, fit_figures = None, []
     if sweep.fit is not None:
-        sections.insert(0, {"title": "Fit", "figures": [figures.fit_maxima(), figures.fit_probes()]})
+        fit_figures = [figures.fit_maxima(), figures.fit_probes()]
         fit_columns = [(c, c.replace("_", " "), c) for c in sweep.fit.columns]
         fit_table = table(sweep.fit, fit_columns, keep_constant=[c for c, _, _ in fit_columns])
     frame = sweep.frame.sort_values(SORT_KEYS, kind="stable") if len(sweep.frame) else sweep.frame
@@ -924,7 +925,7 @@ def render_html(output_dir: Path) -> str:
     environment = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html", "j2"]),
                               trim_blocks=True, lstrip_blocks=True)
     page = environment.get_template("report.html.j2").render(
-        header=header(sweep), headline=headline(sweep), table=table(frame), fit_table=fit_table,
+        header=header(sweep), headline=headline(sweep), table=table(frame), fit_table=fit_table, fit_figures=fit_figures,
         sections=sections, memory_note=memory_note(sweep.frame).replace("`", ""), trials=len(sweep.frame),
         build_s=f"{time.perf_counter() - started:.2f}")
     return page

@@ -250,3 +250,50 @@ def test_folders_of_older_versions(tmp_path):
     text = write_html_report(only_table).read_text()
     assert text.count('<tr class="status-') == len(table)
     assert "No question recorded" in text and "out of memory" in text
+
+
+def fit_folder(tmp_path: Path) -> Path:
+    """A fit run's folder assembled from oom_probe's real rows: its four trials are the probes of two
+    searches (stage 0 and 1, one worker: 4096 fits, 16384 does not), each fitting row again as the
+    search's timed rerun (…_timed), and fit.csv as `fit` writes it."""
+    folder = tmp_path / "fit"
+    shutil.copytree(ROOT / "results" / "oom_probe-h200", folder)
+    rows = [json.loads(line) for line in (folder / "trials.jsonl").read_text().splitlines() if line.strip()]
+    timed = []
+    for row in rows:
+        if row["status"] == "ok":
+            copy = json.loads(json.dumps(row))
+            copy["trial"] += "_timed"
+            for rank in copy.get("per_rank") or []:
+                rank["trial"] = copy["trial"]
+            timed.append(copy)
+    (folder / "trials.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows + timed))
+    rerender(folder)
+    results = pd.read_csv(folder / "results.csv")
+    fit = []
+    for stage in (0, 1):
+        probes = results[(results["stage"] == stage) & ~results["trial"].str.endswith("_timed")]
+        fits = probes[probes["status"] == "ok"]
+        timed_row = results[results["trial"] == fits["trial"].iloc[0] + "_timed"].iloc[0]
+        fit.append({"backend": "deepspeed", "stage": stage, "num_workers": 1, "activation_checkpointing": False,
+                    "offload_optimizer": "none", "max_micro_batch": int(fits["micro_batch_size"].max()),
+                    "peak_gib": fits["peak_allocated_gib_max"].max(), "budget_gib": 137.8, "predicted_max": 6912,
+                    "samples_per_s": timed_row["samples_per_s"], "probes": len(probes), "search_s": 84.0, "note": ""})
+    pd.DataFrame(fit).to_csv(folder / "fit.csv", index=False)
+    write_html_report(folder)
+    return folder
+
+
+@needs_chromium
+def test_fit_page_in_chromium(tmp_path):
+    folder = fit_folder(tmp_path)
+    figures = check_page(folder, tmp_path)
+    results = pd.read_csv(folder / "results.csv")
+    probes = results[~results["trial"].str.endswith("_timed")]
+    drawn = figures["fit-probes"]
+    assert drawn["drawn"] == "yes"
+    assert sorted(marks(drawn, "probe")) == sorted(probes[probes["status"] == "ok"]["trial"])
+    assert sorted(marks(drawn, "oom")) == sorted(probes[probes["status"] == "oom"]["trial"])
+    assert len(marks(figures["fit-maxima"], "max")) == len(pd.read_csv(folder / "fit.csv"))
+    text = (folder / "report.html").read_text()
+    assert 'id="fit"' in text and "timed runs of each setting" in text
