@@ -1,0 +1,396 @@
+"""Three ways of fitting a model in memory behind one small interface: DeepSpeed ZeRO (stages 0-3,
+optionally with the optimizer offloaded to the CPU), PyTorch DDP + ZeroRedundancyOptimizer (stages 0-1)
+and FSDP2 (stages 2-3).
+
+`build_engine(spec, settings, device)` needs only torch.distributed to be initialised (by Ray Train,
+torchrun or a test); every engine trains with the same optimizer, and each rank's `Engine` says what it
+holds (`model_state_bytes`). No Ray here; deepspeed is imported inside functions.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ray_zero.ds_config import build_ds_config
+from ray_zero.model_spec import ModelSpec
+
+BACKEND_STAGES = {"deepspeed": (0, 1, 2, 3), "torch_zero": (0, 1), "fsdp": (2, 3)}
+"""torch_zero: DDP (0) or DDP + ZeroRedundancyOptimizer (1). FSDP2 always shards gradients and optimizer
+states; it keeps gathered parameters from forward to backward (2) or reshards them after forward (3)."""
+OFFLOADS = ("none", "cpu")
+LOW_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class EngineError(ValueError):
+    """An engine cannot be built with these settings (one line)."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    backend: str = "deepspeed"
+    """deepspeed | torch_zero | fsdp"""
+    stage: int = 0
+    """ZeRO stage: what is partitioned across ranks (see BACKEND_STAGES for what each engine has)."""
+    precision: str = "fp32"
+    """Resolved precision: fp16 | bf16 | fp32."""
+    micro_batch_size: int = 1
+    gradient_accumulation_steps: int = 1
+    world_size: int = 1
+    optimizer: str = "AdamW"
+    """AdamW or Adam, for every engine."""
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    reduce_bucket_size: int = 50_000_000
+    """DeepSpeed's gradient reduce bucket (elements)."""
+    allgather_bucket_size: int = 50_000_000
+    """DeepSpeed's stage 1/2 all-gather bucket (elements)."""
+    offload_optimizer: str = "none"
+    """none | cpu: ZeRO-Offload (DeepSpeed stages 1-3) keeps the fp32 master and Adam's states in host memory."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of keeping them."""
+
+
+def supported(backend: str, stage: int, offload_optimizer: str = "none") -> Optional[str]:
+    """Why no engine can run this combination, in one line; None when one can."""
+    if backend not in BACKEND_STAGES:
+        return f"backend must be one of {', '.join(BACKEND_STAGES)}, not {backend!r}"
+    if stage not in BACKEND_STAGES[backend]:
+        return f"{backend} has stages {', '.join(map(str, BACKEND_STAGES[backend]))}, not {stage}"
+    if offload_optimizer not in OFFLOADS:
+        return f"offload_optimizer must be one of {', '.join(OFFLOADS)}, not {offload_optimizer!r}"
+    if offload_optimizer != "none" and (backend != "deepspeed" or stage == 0):
+        return "offload_optimizer needs backend deepspeed with stage 1, 2 or 3"
+    return None
+
+
+def build_engine(spec: ModelSpec, settings: EngineSettings, device: torch.device) -> "Engine":
+    """This rank's engine around `spec.module` (already on `device`); torch.distributed must be up."""
+    reason = supported(settings.backend, settings.stage, settings.offload_optimizer)
+    if reason:
+        raise EngineError(reason)
+    if settings.precision not in (*LOW_PRECISION, "fp32"):
+        raise EngineError(f"precision must be fp16, bf16 or fp32, not {settings.precision!r}")
+    _optimizer_class(settings.optimizer)  # an unknown optimizer fails here, before any engine is built
+    if settings.activation_checkpointing and spec.enable_checkpointing is None and not spec.blocks:
+        raise EngineError("this model cannot be checkpointed: its spec has neither blocks nor enable_checkpointing")
+    if not dist.is_initialized():
+        raise EngineError("torch.distributed must be initialised before build_engine")
+    spec.module.to(device).train()
+    if settings.activation_checkpointing:
+        _enable_checkpointing(spec)  # before wrapping: DDP, FSDP2 and DeepSpeed then see the recomputing blocks
+    engine = {"deepspeed": DeepSpeedEngine, "torch_zero": TorchZeroEngine, "fsdp": FSDPEngine}[settings.backend]
+    return engine(spec, settings, device)
+
+
+def _optimizer_class(name: str) -> type:
+    classes = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+    if name.lower() not in classes:
+        raise EngineError(f"optimizer must be AdamW or Adam, not {name!r}")
+    return classes[name.lower()]
+
+
+def _optimizer_kwargs(settings: EngineSettings) -> dict[str, Any]:
+    return {"lr": settings.lr, "betas": tuple(settings.betas), "eps": settings.eps,
+            "weight_decay": settings.weight_decay}
+
+
+def _enable_checkpointing(spec: ModelSpec) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    if spec.enable_checkpointing is not None:
+        spec.enable_checkpointing(spec.module)
+        return
+    for block in spec.blocks:
+        # Wrap `forward`, not the module: the module's own hooks (FSDP2's unshard, DeepSpeed's gather) still
+        # run around the recomputing forward, as with torch's checkpoint_wrapper.
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def _entered(forward_context: Any):
+    """`forward_context` as a context manager: one already, or a callable that makes one (a Meter's probe)."""
+    if forward_context is None:
+        return contextlib.nullcontext()
+    return forward_context if hasattr(forward_context, "__enter__") else forward_context()
+
+
+class Engine:
+    """One rank's training: `forward_backward` for each micro-batch, then `step` once per optimizer step."""
+
+    backend: str
+    input_dtype: torch.dtype = torch.float32
+    config: dict
+
+    def __init__(self, spec: ModelSpec, settings: EngineSettings, device: torch.device):
+        self.spec, self.settings, self.device = spec, settings, device
+        self.backend = settings.backend
+        self._gradient_bytes_after_backward: Optional[int] = None
+
+    def forward_backward(self, batch: Any, boundary: bool, forward_context: Any = None) -> torch.Tensor:
+        """Forward (spec.loss under this engine's autocast; `forward_context` around the forward only), then
+        backward scaled for gradient accumulation; gradients are reduced across ranks only at `boundary`
+        (FSDP2 and DeepSpeed's ZeRO-2/3 reduce-scatter each micro-batch: that is what keeps them sharded).
+        Returns the loss, detached and unscaled."""
+        loss = self._forward_backward(batch, boundary, forward_context)
+        if boundary and self._gradient_bytes_after_backward is None:
+            # Some optimizers free or move gradients in step (zero_grad(set_to_none), DeepSpeed's partitions):
+            # the first boundary backward is where a rank holds all its gradients.
+            self._gradient_bytes_after_backward = self._state_bytes()["gradient_bytes"]
+        return loss
+
+    def step(self) -> None:
+        """The optimizer step, once per `gradient_accumulation_steps` micro-batches, after the boundary one."""
+        raise NotImplementedError
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """parameter_bytes, gradient_bytes, master_param_bytes, optimizer_state_bytes, other_optimizer_bytes:
+        bytes this rank holds (in device or host memory), each storage once, sharded tensors by their local
+        shard. gradient_bytes is the larger of now and after the first boundary backward."""
+        states = self._state_bytes()
+        states["gradient_bytes"] = max(states["gradient_bytes"], self._gradient_bytes_after_backward or 0)
+        return states
+
+    def _forward_backward(self, batch, boundary, forward_context) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _state_bytes(self) -> dict[str, int]:
+        raise NotImplementedError
+
+
+class DeepSpeedEngine(Engine):
+    """`deepspeed.initialize` with the config's one optimizer (torch's Adam(W): no FusedAdam build)."""
+
+    def __init__(self, spec, settings, device):
+        super().__init__(spec, settings, device)
+        import deepspeed
+
+        s = settings
+        self.config = build_ds_config(
+            stage=s.stage, micro_batch_size=s.micro_batch_size, gradient_accumulation_steps=s.gradient_accumulation_steps,
+            world_size=s.world_size, precision=s.precision, optimizer_type=s.optimizer, lr=s.lr, betas=tuple(s.betas),
+            eps=s.eps, weight_decay=s.weight_decay, reduce_bucket_size=s.reduce_bucket_size,
+            allgather_bucket_size=s.allgather_bucket_size)
+        if s.offload_optimizer == "cpu":
+            # With torch_adam DeepSpeed steps torch's AdamW on the host partition (allowed: its
+            # zero_force_ds_cpu_optimizer check is for client optimizers only); pinned pages speed up the copies.
+            self.config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+        # A copy goes in: self.config stays exactly what was asked for, whatever DeepSpeed does to its argument.
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=spec.module, model_parameters=[p for p in spec.module.parameters() if p.requires_grad],
+            config=copy.deepcopy(self.config))
+        self.input_dtype = (torch.float16 if self.engine.fp16_enabled() else
+                            torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32)
+        self._step_pending = False
+
+    def _forward_backward(self, batch, boundary, forward_context):
+        if self.engine.is_gradient_accumulation_boundary() != boundary:
+            raise EngineError(f"DeepSpeed counts micro-batches itself: boundary={boundary} at its micro-step "
+                              f"{self.engine.micro_steps} with gradient_accumulation_steps "
+                              f"{self.settings.gradient_accumulation_steps}")
+        with _entered(forward_context):
+            loss = self.spec.loss(self.engine, batch)
+        self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps itself
+        if boundary:
+            self._step_pending = True  # the optimizer steps in step(), after the caller has seen the gradients
+        else:
+            self.engine.step()  # DeepSpeed counts micro-batches in step(); off the boundary it only counts
+        return loss.detach()
+
+    def step(self):
+        if not self._step_pending:
+            raise EngineError("step() before the boundary micro-batch's forward_backward")
+        self.engine.step()
+        self._step_pending = False
+
+    def _state_bytes(self):
+        return state_bytes(self.engine.module, self.optimizer)
+
+
+class TorchZeroEngine(Engine):
+    """DDP with AdamW (stage 0) or ZeroRedundancyOptimizer(AdamW) (stage 1), fp32 parameters, autocast."""
+
+    def __init__(self, spec, settings, device):
+        super().__init__(spec, settings, device)
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.config = dataclasses.asdict(settings)
+        self.model = DistributedDataParallel(spec.module, device_ids=[device] if device.type == "cuda" else None)
+        params = [p for p in spec.module.parameters() if p.requires_grad]
+        optimizer_class, kwargs = _optimizer_class(settings.optimizer), _optimizer_kwargs(settings)
+        if settings.stage == 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            self.optimizer = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
+            self._local_optimizer = self.optimizer.optim  # the torch optimizer over this rank's parameters only
+        else:
+            self.optimizer = self._local_optimizer = optimizer_class(params, **kwargs)
+        self.dtype = LOW_PRECISION.get(settings.precision)
+        self.scaler = torch.amp.GradScaler(device.type) if settings.precision == "fp16" else None
+
+    def _autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def _forward_backward(self, batch, boundary, forward_context):
+        # no_sync must hold through backward: that is where DDP's all-reduce runs.
+        with contextlib.nullcontext() if boundary else self.model.no_sync():
+            with self._autocast(), _entered(forward_context):
+                loss = self.spec.loss(self.model, batch)
+            scaled = loss / self.settings.gradient_accumulation_steps
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        return loss.detach()
+
+    def step(self):
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _state_bytes(self):
+        # DDP's gradient buckets (one more copy of all gradients, gradient_as_bucket_view=False) live in its
+        # C++ reducer, not reachable through public attributes: they are not counted.
+        return state_bytes(self.spec.module, self._local_optimizer)
+
+
+class FSDPEngine(TorchZeroEngine):
+    """FSDP2: fully_shard on each block, then the root; one mesh over all ranks."""
+
+    def __init__(self, spec, settings, device):
+        Engine.__init__(self, spec, settings, device)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.config = dataclasses.asdict(settings)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        # Parameters compute in low precision; gradients are reduced and kept in fp32, as the master weights.
+        low = LOW_PRECISION.get(settings.precision)
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
+        shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=settings.stage == 3, mp_policy=policy)
+        for block in spec.blocks or ():
+            shard(block)
+        self.model = shard(spec.module)
+        params = [p for p in spec.module.parameters() if p.requires_grad]
+        self.optimizer = self._local_optimizer = _optimizer_class(settings.optimizer)(params, **_optimizer_kwargs(settings))
+        self.dtype = None  # FSDP2 casts parameters itself; inputs are cast to param_dtype at the root
+        if settings.precision == "fp16":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.scaler = ShardedGradScaler(device.type)  # agrees on inf/NaN across ranks before skipping
+        else:
+            self.scaler = None
+
+    def _forward_backward(self, batch, boundary, forward_context):
+        # Reduce-scatter every micro-batch: skipping it (set_requires_gradient_sync) would keep whole
+        # gradients between micro-batches, the memory stage 2/3 exists to save.
+        with _entered(forward_context):
+            loss = self.spec.loss(self.model, batch)
+        scaled = loss / self.settings.gradient_accumulation_steps
+        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        return loss.detach()
+
+
+# ------------------------------------------------------------------------- model-state bytes
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), else the tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _innermost_torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
+    """DeepSpeed wraps the torch optimizer (FP16_Optimizer, ZeRO, BF16_Optimizer): unwrap it."""
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(inner, torch.optim.Optimizer):
+            return optimizer
+        optimizer = inner
+    return None
+
+
+def _tensors_in(obj: Any, depth: int = 0, seen: Optional[set] = None) -> Iterable[torch.Tensor]:
+    """Tensors reachable from a DeepSpeed optimizer wrapper's attributes (lists, dicts, tensors)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 4:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors_in(value, depth + 1, seen)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors_in(value, depth + 1, seen)
+    elif type(obj).__module__.startswith("deepspeed.runtime") and not isinstance(obj, torch.nn.Module):
+        for value in vars(obj).values():
+            yield from _tensors_in(value, depth + 1, seen)
+
+
+def state_bytes(module: torch.nn.Module, optimizer: Any) -> dict[str, int]:
+    """Bytes this rank holds, by kind, counting each tensor storage once (a DTensor by its local shard).
+
+    parameter: the module's parameters (low precision under DeepSpeed fp16/bf16); gradient: gradients of
+    the module's parameters and of the fp32 master partition, and DeepSpeed's gradient partitions; master:
+    the fp32 master copy this rank owns (none when the optimizer steps the module's own parameters);
+    optimizer_state: the torch optimizer's states (Adam's two moments, step); other: any further tensor a
+    DeepSpeed optimizer wrapper holds (buckets, flat buffers). `optimizer` is the torch optimizer over this
+    rank's parameters, or DeepSpeed's wrapper of it.
+    """
+    counted: set[tuple[str, int]] = set()
+    result = {"parameter_bytes": 0, "gradient_bytes": 0, "master_param_bytes": 0,
+              "optimizer_state_bytes": 0, "other_optimizer_bytes": 0}
+
+    def add(kind: str, tensor: torch.Tensor) -> None:
+        tensor = _local(tensor)
+        if tensor.device.type == "meta" or tensor.numel() == 0:
+            return
+        storage = tensor.untyped_storage()
+        key = (str(tensor.device), storage.data_ptr())
+        if key not in counted:
+            counted.add(key)
+            result[kind] += storage.nbytes()
+
+    module_params = list(module.parameters())
+    for p in module_params:
+        add("parameter_bytes", p.data)
+    inner = _innermost_torch_optimizer(optimizer)
+    if inner is not None:
+        for state in inner.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    add("optimizer_state_bytes", value)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                add("master_param_bytes", p.data)  # no-op when p is a module parameter
+    for p in module_params:
+        if p.grad is not None:
+            add("gradient_bytes", p.grad)
+    if inner is not None:
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    add("gradient_bytes", p.grad)
+    if optimizer is not None and optimizer is not inner:
+        for name in ("averaged_gradients", "grads_in_partition", "fp32_groups_gradients_flat",
+                     "fp32_groups_gradients"):
+            for tensor in _tensors_in(getattr(optimizer, name, None)):
+                add("gradient_bytes", tensor)
+        for tensor in _tensors_in(optimizer):
+            add("other_optimizer_bytes", tensor)
+    return result
