@@ -24,7 +24,7 @@ import io
 import math
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -107,7 +107,6 @@ class Sweep:
     provenance: dict[str, Any]
     calibration: Optional[dict]
     fit: Optional[pd.DataFrame]
-    notes: list[str] = field(default_factory=list)
 
 
 def _number(value: Any) -> Optional[float]:
@@ -296,7 +295,8 @@ def headline(sweep: Sweep) -> dict[str, Any]:
     """For each worker count, the fastest configuration that fitted (status ok); the count by status."""
     frame = sweep.frame
     counts = frame["status"].value_counts().to_dict()
-    summary = f"{len(frame)} trials: " + ", ".join(f"{counts[s]} {s}" for s in ["ok", *NOT_OK] if s in counts)
+    order = ["ok", *NOT_OK] + sorted(set(counts) - {"ok", *NOT_OK})
+    summary = f"{len(frame)} trials: " + ", ".join(f"{counts[s]} {s}" for s in order if s in counts)
     ok = frame[(frame["status"] == "ok") & frame["samples_per_s"].notna()]
     fit_note = ""
     if sweep.fit is not None:  # a fit's probes run 3 steps: its timed reruns (…_timed) say the speed
@@ -375,6 +375,16 @@ def table(frame: pd.DataFrame, columns: list[tuple[str, str, str]] = TABLE_COLUM
 
 # --------------------------------------------------------------------------------------------- figures
 
+def _from_zero(axes: list) -> None:
+    """y from 0 to a tenth above the highest point of any of `axes` (panels compared side by side: one
+    scale, and room above the top marker)."""
+    tops = [ax.dataLim.y1 for ax in axes if ax is not None and math.isfinite(ax.dataLim.y1)]
+    top = max(tops, default=0.0)
+    for ax in axes:
+        if ax is not None:
+            ax.set_ylim(0, top * 1.1 if top > 0 else 1.0)
+
+
 def legend_right(fig, handles: list, left_chars: Optional[int] = None) -> None:
     """The legend in a column to the right of the axes, as wide as its longest label, the axes laid out in
     the rest (no second drawing pass, as bbox_inches="tight" would make: a 50-row page stays fast).
@@ -435,21 +445,36 @@ class Figures:
 
     # ---- memory and throughput against workers / micro-batch
 
-    def _facets(self, rows: pd.DataFrame, axis: str):
+    def _facets(self, rows: pd.DataFrame, axis: str, second: bool = False):
+        """One panel per value of the other axis (up to 3 a row; "1 worker", "micro-batch 64"), each with
+        a second, lower panel when `second` (MFU, or the model states of CPU rows). Panels of one row
+        share their y axis. Returns the figure and (top, bottom or None, value, rows, title) per panel."""
         other = "micro_batch_size" if axis == "num_workers" else "num_workers"
         values = sorted(rows[other].dropna().unique())
         columns = min(3, len(values))
-        fig, axes = plt.subplots((len(values) + columns - 1) // columns, columns, squeeze=False, sharey=True,
-                                 figsize=(9.6 if columns > 1 else 7.6, 3.6 * ((len(values) + columns - 1) // columns)))
-        for ax in axes.flat[len(values):]:
-            ax.set_visible(False)
+        blocks = (len(values) + columns - 1) // columns
+        per_block = 2 if second else 1
+        fig, axes = plt.subplots(blocks * per_block, columns, squeeze=False, sharey="row",
+                                 sharex="col" if second else "none",
+                                 gridspec_kw={"height_ratios": [3, 2] * blocks} if second else None,
+                                 figsize=(9.6 if columns > 1 else 7.6, (5.8 if second else 3.6) * blocks))
+
         def title(value) -> str:
             if other == "micro_batch_size":
                 return f"micro-batch {_int_text(value)}"
             return f"{_int_text(value)} worker" + ("" if _int_text(value) == "1" else "s")
 
-        return fig, [(ax, value, rows[rows[other] == value], title(value))
-                     for ax, value in zip(axes.flat, values)], axes
+        facets = []
+        for index, value in enumerate(values):
+            block, column = divmod(index, columns)
+            top = axes[block * per_block, column]
+            bottom = axes[block * per_block + 1, column] if second else None
+            facets.append((top, bottom, value, rows[rows[other] == value], title(value)))
+        for index in range(len(values), blocks * columns):  # the last row's empty places
+            block, column = divmod(index, columns)
+            for row in range(per_block):
+                axes[block * per_block + row, column].set_visible(False)
+        return fig, facets
 
     @staticmethod
     def _log_axis(axis: str, values: Iterable[float]) -> bool:
@@ -480,15 +505,17 @@ class Figures:
         ax.grid(alpha=0.3)
 
     def _points(self, ax, group: pd.DataFrame, axis: str, column: str, role: str, figure: Figure,
-                titles: dict, colour: str, style: str, marker: str, describe, hollow: bool = False) -> int:
-        """A line through a setting's points and one tagged marker per row; the number of markers drawn."""
+                titles: dict, colour: str, style: str, marker: str, describe, hollow: bool = False,
+                scale: float = 1.0) -> int:
+        """A line through a setting's points and one tagged marker per row (y = the column × `scale`); the
+        number of markers drawn."""
         drawn = group[group[column].notna()].sort_values(axis)
         if len(drawn) > 1:
-            ax.plot([self.shift(x) for x in drawn[axis]], drawn[column], style, color=colour,
+            ax.plot([self.shift(x) for x in drawn[axis]], drawn[column] * scale, style, color=colour,
                     alpha=0.8 if style == "--" else 1.0)
         for record in drawn.to_dict("records"):
             gid = f"{figure.id}--{role}--{record['trial']}"
-            (marker_line,) = ax.plot([self.shift(record[axis])], [record[column]], marker, color=colour,
+            (marker_line,) = ax.plot([self.shift(record[axis])], [record[column] * scale], marker, color=colour,
                                      markersize=8 if hollow else 6, markerfacecolor="none" if hollow else colour,
                                      linestyle="none", zorder=2.5 if hollow else 3)
             marker_line.set_gid(gid)
@@ -496,141 +523,135 @@ class Figures:
         return len(drawn)
 
     def against(self, axis: str, what: str, kind: str) -> Figure:
-        """Memory (what="memory") or throughput (what="speed") of one memory kind against `axis`."""
-        sweep = self.sweep
-        frame = sweep.frame[sweep.frame["memory_kind"].fillna("cuda") == kind]
+        """Memory (what="memory") or throughput (what="speed") of one memory kind against `axis`.
+
+        GPU memory: the measured peak (solid, filled) and the predicted (dashed, hollow), out-of-memory
+        trials as × at the memory they held, the device's memory dotted. CPU memory: the resident set
+        above, the model states counted and predicted below (on its own scale: megabytes beside the
+        resident set's gigabytes). Throughput: samples/s above, MFU below on GPU."""
+        frame = self.sweep.frame[self.sweep.frame["memory_kind"].fillna("cuda") == kind]
         ok = frame[frame["status"] == "ok"]
         oom = frame[frame["status"] == "oom"] if what == "memory" else frame.iloc[0:0]
-        gpu = kind == "cuda"
+        gpu, memory = kind == "cuda", what == "memory"
         axis_words = "workers" if axis == "num_workers" else "micro-batch size"
         device = "GPU" if gpu else "CPU"
-        if what == "memory":
+        if memory:
             title = f"Memory per rank against {axis_words} ({device})"
-            caption = (("Peak CUDA memory allocated per rank, max over ranks: measured (solid, filled) against "
-                        "the memory model's prediction (dashed, hollow); × marks an out-of-memory trial at the "
-                        "memory it held when it failed.") if gpu else
-                       ("CPU rows measure each worker process's peak resident set (Python, torch and Ray "
-                        "included: not comparable with GPU memory), solid circles; beside it the model states "
-                        "counted tensor by tensor (solid triangles) and what the memory model predicts for "
-                        "them (dashed, hollow)."))
+            caption = ("Peak CUDA memory allocated per rank, max over ranks: measured (solid, filled) against the "
+                       "memory model's prediction (dashed, hollow); × marks an out-of-memory trial at the memory "
+                       "it held when it failed." if gpu else
+                       "Above, each worker process's peak resident set (Python, torch and Ray included: not "
+                       "comparable with GPU memory). Below, on its own scale, the model states counted tensor by "
+                       "tensor (solid) and what the memory model predicts for them (dashed, hollow).")
         else:
             title = f"Throughput against {axis_words} ({device})"
             caption = "Samples per second over the timed steps, summed over ranks" + (
                 "; below, model FLOPs utilisation (MFU), mean over ranks." if gpu else ".")
         figure = self.new(title, caption, f"{what}-{axis}")
         plotted = pd.concat([ok, oom])
-        if ok.empty and oom.empty:
+        if plotted.empty:
             figure.skipped = f"No {device} trial finished: nothing to draw against {axis_words}."
             return figure
         if plotted[axis].nunique() < 2:
             only = _int_text(plotted[axis].iloc[0])
-            where = (f"with {only} worker" + ("" if only == "1" else "s")) if axis == "num_workers" else \
-                f"at micro-batch {only}"
-            figure.only = where
-            figure.skipped = (f"Every {device} trial ran {where}: "
-                              f"nothing to draw against {axis_words}; the table and the breakdown compare them.")
+            figure.only = ((f"with {only} worker" + ("" if only == "1" else "s")) if axis == "num_workers"
+                           else f"at micro-batch {only}")
+            figure.skipped = (f"Every {device} trial ran {figure.only}: nothing to draw against {axis_words}; "
+                              "the table and the breakdown compare them.")
             return figure
-        speed_rows = 2 if what == "speed" and gpu and ok["mfu"].notna().any() else 1
-        fig, facets, axes = self._facets(plotted, axis)
-        if speed_rows == 2:  # a second row of axes for MFU under each facet
-            plt.close(fig)
-            count = len(facets)
-            fig, grid = plt.subplots(2, count, squeeze=False, figsize=(min(9.6, 3.4 * count + 4.2), 5.8),
-                                     sharex="col")
-            facets = [(grid[0, i], v, g, t) for i, (_, v, g, t) in enumerate(facets)]
-            mfu_axes = list(grid[1])
-        else:
-            mfu_axes = []
+        second = (not gpu and memory and ok["measured_model_state_gib"].notna().any()) or (
+            gpu and not memory and ok["mfu"].notna().any())
+        fig, facets = self._facets(plotted, axis, second)
         titles: dict[str, str] = {}
-        used: set[str] = set()
-        markers = {"measured": 0}
+        used: list[str] = []
         present = [label for label, _ in self._by_setting(plotted)]
-        for index, (ax, _, group, facet_title) in enumerate(facets):
+        for top, bottom, _, group, facet_title in facets:
             for label, setting in self._by_setting(group):
                 colour = _colour(self.colours.get(label, 0))
-                used.add(label)
+                used.append(label)
                 self.dodge(axis, plotted[axis], present.index(label), len(present))
                 done = setting[setting["status"] == "ok"]
-                if what == "memory":
-                    markers["measured"] += self._points(
-                        ax, done, axis, "peak_allocated_gib_max", "measured", figure, titles, colour, "-", "o",
-                        lambda r: f"{r['trial']}: {'peak RSS' if not gpu else 'peak'} "
-                                  f"{_gib(r['peak_allocated_gib_max'])} measured")
+                if memory:
+                    self._points(top, done, axis, "peak_allocated_gib_max", "measured", figure, titles, colour, "-",
+                                 "o", lambda r: f"{r['trial']}: {'peak' if gpu else 'peak resident set'} "
+                                                f"{_gib(r['peak_allocated_gib_max'])} measured")
                     if gpu:
-                        self._points(ax, done, axis, "predicted_peak_gib", "predicted", figure, titles, colour, "--",
+                        self._points(top, done, axis, "predicted_peak_gib", "predicted", figure, titles, colour, "--",
                                      "s", lambda r: f"{r['trial']}: peak {_gib(r['predicted_peak_gib'])} predicted",
                                      hollow=True)
-                    else:
-                        self._points(ax, done, axis, "measured_model_state_gib", "states", figure, titles, colour,
-                                     "-", "^", lambda r: f"{r['trial']}: model states "
-                                                         f"{_gib(r['measured_model_state_gib'])} counted")
-                        self._points(ax, done, axis, "predicted_model_state_gib", "predicted", figure, titles,
+                    elif bottom is not None:
+                        self._points(bottom, done, axis, "measured_model_state_gib", "states", figure, titles,
+                                     colour, "-", "^", lambda r: f"{r['trial']}: model states "
+                                     f"{float(r['measured_model_state_gib']) * 1024:.3f} MiB counted", scale=1024)
+                        self._points(bottom, done, axis, "predicted_model_state_gib", "predicted", figure, titles,
                                      colour, "--", "^", lambda r: f"{r['trial']}: model states "
-                                                                   f"{_gib(r['predicted_model_state_gib'])} predicted",
-                                     hollow=True)
-                    failed = setting[setting["status"] == "oom"]
-                    for record in failed.to_dict("records"):
-                        y = _number(record["peak_allocated_gib_max"]) or self.memory
-                        if y is None:
-                            continue
-                        gid = f"{figure.id}--oom--{record['trial']}"
-                        (line,) = ax.plot([self.shift(record[axis])], [y], "X", color=colour, markersize=9,
-                                          linestyle="none",
-                                          markeredgecolor="black", markeredgewidth=0.6)
-                        line.set_gid(gid)
-                        titles[gid] = f"{record['trial']}: out of memory at {_gib(y)}"
+                                     f"{float(r['predicted_model_state_gib']) * 1024:.3f} MiB predicted", hollow=True,
+                                     scale=1024)
+                    self._failures(top, setting, axis, figure, titles, colour)
                 else:
-                    markers["measured"] += self._points(
-                        ax, done, axis, "samples_per_s", "measured", figure, titles, colour, "-", "o",
-                        lambda r: f"{r['trial']}: {fmt(r['samples_per_s'])} samples/s")
-                    if mfu_axes:
-                        self._points(mfu_axes[index], done, axis, "mfu", "mfu", figure, titles, colour, "-", "D",
+                    self._points(top, done, axis, "samples_per_s", "measured", figure, titles, colour, "-", "o",
+                                 lambda r: f"{r['trial']}: {fmt(r['samples_per_s'])} samples/s")
+                    if bottom is not None:
+                        self._points(bottom, done, axis, "mfu", "mfu", figure, titles, colour, "-", "D",
                                      lambda r: f"{r['trial']}: MFU {_percent(float(r['mfu']))}")
-            if what == "memory" and gpu and self.memory:
-                ax.axhline(self.memory, color="black", linestyle=":", linewidth=1)
-            ax.set_title(facet_title, fontsize=9)
-            ax.margins(y=0.1)
-            ax.set_ylim(bottom=0)
-            self._x_axis(ax, axis, plotted[axis])
-        for ax in mfu_axes:
-            ax.set_ylim(bottom=0)
-            ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
-            self._x_axis(ax, axis, plotted[axis])
-        if mfu_axes:
-            for ax, *_ in facets:
-                ax.set_xlabel("")
-            mfu_axes[0].set_ylabel("MFU")
-        left = facets[0][0] if facets else None
-        if left is not None:
-            left.set_ylabel(("peak CUDA allocated per rank (GiB)" if gpu else "GiB per worker") if what == "memory"
-                            else "samples/s, all ranks")
-            for (ax, *_) in facets[1:]:
-                if ax.get_subplotspec().colspan.start == 0:
-                    ax.set_ylabel(left.get_ylabel())
+            if memory and gpu and self.memory:
+                top.axhline(self.memory, color="black", linestyle=":", linewidth=1)
+            top.set_title(facet_title, fontsize=9)
+            for ax in (top, bottom):
+                if ax is not None:
+                    self._x_axis(ax, axis, plotted[axis])
+            if bottom is not None:
+                top.set_xlabel("")
+                top.tick_params(labelbottom=False)
+                if not memory:
+                    bottom.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
+        _from_zero([f[0] for f in facets])
+        _from_zero([f[1] for f in facets])
+        for top, bottom, *_ in facets:
+            if top.get_subplotspec().colspan.start == 0:
+                top.set_ylabel(("peak CUDA allocated per rank (GiB)" if gpu else "peak resident set per worker (GiB)")
+                               if memory else "samples/s, all ranks")
+                if bottom is not None:
+                    bottom.set_ylabel("model states per rank (MiB)" if memory else "MFU")
+        legend_right(fig, self._legend(used, memory, gpu, oom_shown=len(oom) > 0))
+        figure.svg = self.svg(fig, figure, titles)
+        if memory and gpu:
+            figure.caption += (f" Dotted: the device's {self.memory:.1f} GiB (from {self.memory_source})."
+                               if self.memory else " The device's memory is not recorded in this folder: no line for it.")
+        return figure
+
+    def _failures(self, ax, setting: pd.DataFrame, axis: str, figure: Figure, titles: dict, colour: str) -> None:
+        """× for each out-of-memory trial, at the memory it held when it failed (else at the device's)."""
+        for record in setting[setting["status"] == "oom"].to_dict("records"):
+            y = _number(record["peak_allocated_gib_max"]) or self.memory
+            if y is None:
+                continue
+            gid = f"{figure.id}--oom--{record['trial']}"
+            (line,) = ax.plot([self.shift(record[axis])], [y], "X", color=colour, markersize=9, linestyle="none",
+                              markeredgecolor="black", markeredgewidth=0.6, zorder=3)
+            line.set_gid(gid)
+            titles[gid] = f"{record['trial']}: out of memory at {_gib(y)}"
+
+    def _legend(self, used: list[str], memory: bool, gpu: bool, oom_shown: bool) -> list:
         handles = [Line2D([], [], color=_colour(self.colours[label]), linewidth=6, label=label)
                    for label in self.colours if label in used]
-        if what == "memory":
-            first = "peak resident set (RSS), measured" if not gpu else "measured peak"
-            handles += [Line2D([], [], color="gray", marker="o", label=first)]
-            if gpu:
-                handles += [Line2D([], [], color="gray", marker="s", markerfacecolor="white", linestyle="--",
-                                   label="predicted peak")]
-            else:
-                handles += [Line2D([], [], color="gray", marker="^", label="model states, counted"),
-                            Line2D([], [], color="gray", marker="^", markerfacecolor="white", linestyle="--",
-                                   label="model states, predicted")]
-            if len(oom):
-                handles += [Line2D([], [], color="gray", marker="X", linestyle="none", markeredgecolor="black",
-                                   label="out of memory (memory at failure)")]
-            if gpu and self.memory:
-                handles += [Line2D([], [], color="black", linestyle=":", label=f"device memory {self.memory:.1f} GiB")]
-        legend_right(fig, handles)
-        figure.svg = self.svg(fig, figure, titles)
-        if what == "memory" and gpu and not self.memory:
-            figure.caption += " The device's memory is not recorded in this folder: no line for it."
-        elif what == "memory" and gpu:
-            figure.caption += f" Dotted: the device's {self.memory:.1f} GiB (from {self.memory_source})."
-        return figure
+        if not memory:
+            return handles
+        if gpu:
+            handles += [Line2D([], [], color="gray", marker="o", label="measured peak"),
+                        Line2D([], [], color="gray", marker="s", markerfacecolor="white", linestyle="--",
+                               label="predicted peak")]
+        else:
+            handles += [Line2D([], [], color="gray", marker="o", label="peak resident set (RSS), measured"),
+                        Line2D([], [], color="gray", marker="^", label="model states, counted"),
+                        Line2D([], [], color="gray", marker="^", markerfacecolor="white", linestyle="--",
+                               label="model states, predicted")]
+        if oom_shown:
+            handles.append(Line2D([], [], color="gray", marker="X", linestyle="none", markeredgecolor="black",
+                                  label="out of memory (memory at failure)"))
+        if gpu and self.memory:
+            handles.append(Line2D([], [], color="black", linestyle=":", label=f"device memory {self.memory:.1f} GiB"))
+        return handles
 
     def _by_setting(self, rows: pd.DataFrame):
         labels = rows.apply(setting_label, axis=1) if len(rows) else pd.Series(dtype=str)
@@ -805,11 +826,11 @@ class Figures:
         if probes.empty or len(probes) < 2:
             figure.skipped = "Fewer than two probes: nothing to draw; the fit table says what was found."
             return figure
-        fig, facets, _ = self._facets(probes, "micro_batch_size")
+        fig, facets = self._facets(probes, "micro_batch_size")
         titles: dict[str, str] = {}
         used = set()
         present = [label for label, _ in self._by_setting(probes)]
-        for ax, workers, group, facet_title in facets:
+        for ax, _, workers, group, facet_title in facets:
             for label, setting in self._by_setting(group):
                 used.add(label)
                 self.dodge("micro_batch_size", probes["micro_batch_size"], present.index(label), len(present))
@@ -839,8 +860,8 @@ class Figures:
             if budget:
                 ax.axhline(budget, color="firebrick", linestyle="--", linewidth=1)
             ax.set_title(facet_title, fontsize=9)
-            ax.set_ylim(bottom=0)
             self._x_axis(ax, "micro_batch_size", group["micro_batch_size"])
+        _from_zero([f[0] for f in facets])
         facets[0][0].set_ylabel("peak per rank (GiB)")
         handles = [Line2D([], [], color=_colour(self.colours[label]), linewidth=6, label=label)
                    for label in self.colours if label in used]

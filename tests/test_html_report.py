@@ -146,9 +146,13 @@ def check_page(folder: Path, tmp_path: Path) -> dict:
             assert sorted(measured) == sorted(ok[ok[column].notna()]["trial"]), f"{kind}: one marker per ok row"
             for trial, drawn in measured.items():  # exactly one marker, drawn with a size
                 assert len(drawn) == 1 and drawn[0]["uses"] == 1 and drawn[0]["width"] > 0, (kind, trial, drawn)
-        if kind.startswith("memory-"):
+        if kind.startswith("memory-"):  # GPU: the predicted peak; CPU: model states, counted and predicted
+            cpu = set(results["memory_kind"].dropna()) == {"cpu_rss"}
             predicted = marks(figure, "predicted")
-            assert sorted(predicted) == sorted(ok[ok["predicted_peak_gib"].notna()]["trial"]), kind
+            column = "predicted_model_state_gib" if cpu else "predicted_peak_gib"
+            assert sorted(predicted) == sorted(ok[ok[column].notna()]["trial"]), kind
+            if cpu:
+                assert sorted(marks(figure, "states")) == sorted(ok[ok["measured_model_state_gib"].notna()]["trial"])
             assert sorted(marks(figure, "oom")) == sorted(oom[oom["peak_allocated_gib_max"].notna()]["trial"]), kind
         if kind == "speed-num_workers" or kind == "speed-micro_batch_size":
             assert sorted(marks(figure, "mfu")) == sorted(ok[ok["mfu"].notna()]["trial"]), kind
@@ -192,6 +196,25 @@ def test_gpu_results_page_in_chromium(name, tmp_path):
     not_blank(screenshot(folder / "report.html", tmp_path, tmp_path / "shot.png"))
 
 
+@needs_chromium
+def test_cpu_results_page_in_chromium(tmp_path):
+    """CPU rows (bench/results/cpu-2core/packing: 2 cores, micro-batch 32 to 256, rows of an earlier
+    version): the resident set labelled as such, the counted model states beside the predicted."""
+    folder = tmp_path / "cpu"
+    shutil.copytree(ROOT / "bench" / "results" / "cpu-2core" / "packing", folder)
+    rerender(folder)
+    write_html_report(folder)
+    figures = check_page(folder, tmp_path)
+    assert figures["memory-micro_batch_size"]["drawn"] == "yes"
+    text = (folder / "report.html").read_text()
+    assert "peak resident set (RSS), measured" in text and "model states, predicted" in text
+
+
+@pytest.fixture(scope="module")
+def fifty(tmp_path_factory) -> Path:
+    return fifty_rows(tmp_path_factory.mktemp("fifty"))
+
+
 def fifty_rows(tmp_path: Path) -> Path:
     """memory_scaling's real rows repeated under distinct trial names to 50 trials."""
     source = ROOT / "results" / "memory_scaling-h200x2"
@@ -211,25 +234,26 @@ def fifty_rows(tmp_path: Path) -> Path:
     return folder
 
 
-def test_fifty_rows_page_is_small_and_fast(tmp_path):
-    folder = fifty_rows(tmp_path)
+def test_fifty_rows_page_is_small_and_fast(fifty):
+    folder = fifty
     render_html(folder)  # the first page pays matplotlib's and Jinja's warm-up
-    started = time.perf_counter()
+    # CPU time, not wall time: on a 2-core CI machine shared with Ray trials the wall clock measures the
+    # neighbours (here 1.0 s of CPU took 2.9-4.6 s of wall time at a load average of 15).
+    started = time.process_time()
     path = write_html_report(folder)
-    took = time.perf_counter() - started
+    took = time.process_time() - started
     size = path.stat().st_size
     assert size < 5 * 1024 ** 2, f"a 50-row page of {size / 1024 ** 2:.2f} MB (bound: 5 MB with SVG figures)"
-    assert took < 2.0, f"the 50-row page took {took:.2f} s to build (bound: 2 s)"
+    assert took < 2.0, f"the 50-row page took {took:.2f} s of CPU to build (bound: 2 s)"
     assert "http://" not in re.sub(r'xmlns(:\w+)?="http://[^"]+"|"http://www.w3.org/[^"]+"', "", path.read_text()), \
         "the page loads nothing from the network"
     assert re.search(r"<script[^>]+src=|<link[^>]+href=", path.read_text()) is None
 
 
 @needs_chromium
-def test_fifty_rows_page_in_chromium(tmp_path):
-    folder = fifty_rows(tmp_path)
-    write_html_report(folder)
-    check_page(folder, tmp_path)
+def test_fifty_rows_page_in_chromium(fifty, tmp_path):
+    write_html_report(fifty)
+    check_page(fifty, tmp_path)
 
 
 def test_folders_of_older_versions(tmp_path):
