@@ -87,8 +87,8 @@ TABLE_COLUMNS = [  # (results.csv column, heading, hover text)
     ("memory_kind", "memory", "cuda: the CUDA allocator's peak; cpu_rss: the process's resident set"),
     ("wall_s", "wall s", "the trial's wall time"),
     ("attempts", "attempts", "attempts the trial took"),
-    ("error", "reason", "why a trial is not ok"),
 ]
+"""The results table's columns; a trial that is not ok says why under its name (the error column)."""
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -130,10 +130,10 @@ def _normalise(frame: pd.DataFrame) -> pd.DataFrame:
     for column in COLUMNS:
         if column not in frame:
             frame[column] = None
-    frame["backend"] = frame["backend"].fillna("deepspeed")
+    for column, default in (("backend", "deepspeed"), ("offload_optimizer", "none"), ("status", "failed")):
+        values = frame[column].astype(object)  # a column all blank reads as float
+        frame[column] = values.where(values.notna(), default)
     frame["activation_checkpointing"] = frame["activation_checkpointing"].map(_truthy)
-    frame["offload_optimizer"] = frame["offload_optimizer"].fillna("none")
-    frame["status"] = frame["status"].fillna("failed")
     frame["trial"] = frame["trial"].astype(str)
     return frame
 
@@ -358,16 +358,18 @@ def table(frame: pd.DataFrame, columns: list[tuple[str, str, str]] = TABLE_COLUM
             value = record.get(column)
             number = _number(value) if column not in ("trial", "error") else None
             text = fmt(value)
-            title = ""
-            if column == "error" and len(text) > 90:  # the whole reason is in the headline's list and on hover
-                title, text = text, text[:88].rstrip() + "…"
+            title = why = ""
+            if column == "trial" and record.get("status") in NOT_OK:  # the reason, under the trial's name
+                why = fmt(record.get("error")) or "no reason recorded"
+                if len(why) > 110:  # the whole reason is in the headline's list and on hover
+                    title, why = why, why[:108].rstrip() + "…"
             if column == "mfu" and number is not None:
                 text = _percent(number)
             if column == "loss_last" and _present(record.get("loss_first")):
                 text = f"{fmt(record['loss_first'])} → {text}"
             cells.append({"text": text, "sort": "" if not _present(value) else (
                 repr(number) if number is not None else str(value)), "numeric": number is not None,
-                "column": column, "title": title})
+                "column": column, "title": title, "why": why})
         body.append({"status": str(record.get("status") or ""), "cells": cells, "trial": record.get("trial", "")})
     return {"columns": [{"key": c, "heading": h, "hint": t} for c, h, t in shown], "rows": body,
             "constant": constant}

@@ -44,7 +44,8 @@ AFTER = """<script>
   var out = {errors: window.__errors, rows: [], figures: [], sorted: null};
   try {
     out.rows = Array.from(document.querySelectorAll("#results-table tbody tr")).map(function (r) {
-      return r.getAttribute("data-trial"); });
+      var why = r.querySelector(".why");
+      return {trial: r.getAttribute("data-trial"), status: r.className, why: why ? why.textContent : ""}; });
     document.querySelectorAll("figure[data-figure]").forEach(function (f) {
       var marks = Array.from(f.querySelectorAll('[id^="' + f.id + '--"]')).map(function (g) {
         var box = g.getBoundingClientRect();
@@ -130,7 +131,13 @@ def check_page(folder: Path, tmp_path: Path) -> dict:
     results = pd.read_csv(folder / "results.csv")
     page = open_page(folder / "report.html", tmp_path)
     assert page["errors"] == [], page["errors"]
-    assert sorted(page["rows"]) == sorted(results["trial"]), "the table has one row per trial of results.csv"
+    assert sorted(r["trial"] for r in page["rows"]) == sorted(results["trial"]), "one table row per trial"
+    errors = {trial: error if isinstance(error, str) else "" for trial, error in zip(results["trial"], results["error"])}
+    for row in page["rows"]:  # oom, failed and skipped rows marked, with their reason
+        status = results.set_index("trial").loc[row["trial"], "status"]
+        assert row["status"] == f"status-{status}"
+        if status != "ok":
+            assert row["why"] and errors[row["trial"]].startswith(row["why"].rstrip("…")), row
     ok = results[results["status"] == "ok"]
     oom = results[results["status"] == "oom"]
     figures = {f["kind"]: f for f in page["figures"]}
