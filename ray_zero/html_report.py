@@ -10,12 +10,13 @@ from it, component by component) and fit.csv (only a `fit` run has it). Rows of 
 columns: what is missing is left blank, never guessed.
 
 Figures are matplotlib, written as inline SVG, not Plotly. Why: Plotly's page needs its script inlined
-to work offline, 4.8 MB (plotly.js 7.1) before the first point, in every results folder that git keeps;
-the SVG page of the 8-trial memory_scaling sweep is about 0.3 MB and a 50-trial one about 1 MB. SVG
-draws without any script, prints as sharp vectors, and matplotlib already draws the project's PNGs. What
-Plotly would add is hovering and zooming; every number is in the sortable table instead, and each marker
-carries an SVG <title> (the browser shows it on hover). Each drawn marker has an id naming its figure,
-its role and its trial (`fig3--measured--stage1_mb64_w2`), so a test counts them in the rendered page.
+to work offline, 4.8 MB (plotly.js of plotly 7.1: 4,815,765 bytes) before the first point, in every
+results folder that git keeps; the SVG page of the 8-trial memory_scaling sweep is 0.11 MB, a 50-trial
+one 0.36 MB. SVG draws without any script, prints as sharp vectors, and matplotlib already draws the
+project's PNGs. What Plotly would add is hovering and zooming; every number is in the sortable table
+instead, and each marker carries an SVG <title> (the browser shows it on hover). Each drawn marker has an
+id naming its figure, its role and its trial (`fig3--measured--stage1_mb64_w2`), so a test counts them in
+the rendered page.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ TABLE_COLUMNS = [  # (results.csv column, heading, hover text)
     ("status", "status", "ok, oom (out of memory), failed or skipped"),
     ("loss_last", "loss", "loss at the first step -> the last, mean over ranks (sorts by the last)"),
     ("samples_per_s", "samples/s", "timed steps, summed over ranks"),
-    ("samples_per_s_per_worker", "per worker", "samples/s per rank"),
+    ("samples_per_s_per_worker", "per rank", "samples/s per rank"),
     ("mfu", "MFU", "model FLOPs utilisation (GPU)"),
     ("peak_allocated_gib_max", "peak GiB", "peak memory per rank, max over ranks (CUDA allocated; "
                                            "on CPU the worker's resident set)"),
@@ -365,8 +366,12 @@ def table(frame: pd.DataFrame, columns: list[tuple[str, str, str]] = TABLE_COLUM
                     title, why = why, why[:108].rstrip() + "…"
             if column == "mfu" and number is not None:
                 text = _percent(number)
+            elif "_gib" in column and number is not None:  # GiB to the hundredth; small ones 3 figures
+                text = f"{number:.2f}" if abs(number) >= 1 else f"{number:.3g}"
+            elif column == "measured_over_predicted" and number is not None:
+                text = f"{number:.3f}"
             if column == "loss_last" and _present(record.get("loss_first")):
-                text = f"{fmt(record['loss_first'])} → {text}"
+                text = f"{fmt(record['loss_first'], 3)} → {fmt(value, 3)}"
             cells.append({"text": text, "sort": "" if not _present(value) else (
                 repr(number) if number is not None else str(value)), "numeric": number is not None,
                 "column": column, "title": title, "why": why})
