@@ -318,6 +318,8 @@ class TrialSpec:
     storage_path: str
     diagnostics: bool = False
     """Collect host-thread and scheduler figures, pids and time marks (diagnostics.csv)."""
+    private_ray: bool = True
+    """The sweep started its own Ray on this machine (no node of it can be preempted)."""
     label: str = ""
     """A suffix that tells two trials of one point apart (`fit` times its answer again: "timed")."""
 

@@ -66,6 +66,7 @@ class Diagnostics:
             "jit_ops_dir": os.environ.get("TORCH_EXTENSIONS_DIR"), "niceness": os.nice(0),
             "python": sys.executable}
         self._gc_s, self._gc_began = 0.0, None
+        self.mark("train_loop_started")  # Ray Train's worker, its process group, set up
 
     def mark(self, name: str) -> None:
         """`NAME_at`: when a phase ended (time.time(), comparable across processes of a machine)."""

@@ -25,6 +25,7 @@ from ray_zero.memory_model import GIB, predict_point
 from ray_zero.report import markdown_table
 from ray_zero.store import atomic_write, load_trials
 from ray_zero.sweep import Session, SweepIncomplete
+from ray_zero.trial import trial_config
 
 PROBE_STEPS = 3
 """Steps of a probe (1 of warm-up): the peak comes with the first optimizer steps."""
@@ -124,7 +125,7 @@ class FitSearcher(Searcher):
     def _config(self, point: Point, experiment: Experiment, label: str) -> dict:
         spec = self.session.spec(point, experiment)
         spec = type(spec)(**{**spec.__dict__, "label": label})
-        return {"spec": spec, "log_name": self.session.log_name}
+        return {"trial": trial_config(spec), "log_name": self.session.log_name}
 
     def on_trial_complete(self, trial_id: str, result: Optional[dict] = None, error: bool = False) -> None:
         key, role = self.in_flight.pop(trial_id, (None, None))

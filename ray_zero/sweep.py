@@ -28,7 +28,7 @@ from ray_zero.config import ConfigError, Experiment, Point, TrialSpec
 from ray_zero.report import console_table, read_calibration, write_pages, write_results
 from ray_zero.rows import finish_row, skipped_row
 from ray_zero.store import EXPERIMENT_FILE, TRIALS_FILE, append_trial, atomic_write, join_storage, load_trials, publish, read_provenance
-from ray_zero.trial import run_trial, trial_log
+from ray_zero.trial import run_trial, trial_config, trial_log
 
 DRIVER_MEMORY_BYTES = 256 * 1024 ** 2
 
@@ -126,6 +126,7 @@ class ResultsWriter(tune.Callback):
         else:  # a trial whose driver itself died has no result: it still gets a row
             row = _crashed_row(trial)
         row = finish_row(row, read_calibration(self.output_dir))
+        row["recorded_at"] = time.time()  # when the sweep had it: what each trial adds to a sweep (bench/)
         append_trial(self.output_dir, row)
         frame = write_results(self.output_dir, load_trials(self.output_dir), read_provenance(self.output_dir))
         write_pages(self.output_dir, frame)
@@ -150,7 +151,7 @@ def _row_keys(result: dict) -> list[str]:
 def _crashed_row(trial) -> dict[str, Any]:
     from ray_zero.rows import trial_row
 
-    row = trial_row(trial.config["spec"])
+    row = trial_row(trial.config["trial"]["spec"])
     error = getattr(trial, "error_msg", None) or "the trial's driver process stopped without a result"
     row.update(status="failed", error=str(error).strip().splitlines()[-1][:400])
     return row
@@ -204,7 +205,7 @@ class Session:
 
     def spec(self, point: Point, experiment: Optional[Experiment] = None) -> TrialSpec:
         return TrialSpec(experiment or self.experiment, point, self.plan.precision, self.plan.use_gpu, self.model,
-                         self.storage, self.diagnostics)
+                         self.storage, self.diagnostics, private_ray=not self.joined)
 
     def record_skipped(self) -> None:
         for point, reason in self.plan.skipped:
@@ -215,7 +216,6 @@ class Session:
               on_row=None, tune_name: str = "tune") -> tune.Tuner:
         """A Tuner of `run_trial` over param_space (a grid) or search_alg (a search)."""
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # with verbose=0: no Tune tables on the terminal
-        os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")  # ray_zero writes its own tables
         # The trial is a driver only (the work is in its Train workers): it reserves no CPU, so a 2-CPU
         # machine can still run a 2-worker trial. Tune needs some resource in the request: a little memory.
         trainable = tune.with_resources(run_trial, {"cpu": 0, "memory": DRIVER_MEMORY_BYTES})
@@ -232,8 +232,10 @@ class Session:
                 # The next trial's driver runs in the finished one's process: no new process and imports
                 # for every trial (Tune's default for function trainables is False).
                 reuse_actors=True,
-                trial_name_creator=lambda t: t.config["spec"].name,
-                trial_dirname_creator=lambda t: f"{t.config['spec'].name}_{t.trial_id}"),
+                # Tune swaps non-primitive values (the spec) for placeholders until the trial runs: the
+                # name travels beside it as a string.
+                trial_name_creator=lambda t: t.config["trial"]["name"],
+                trial_dirname_creator=lambda t: f"{t.config['trial']['name']}_{t.trial_id}"),
             run_config=tune.RunConfig(name=tune_name, storage_path=self.storage, callbacks=callbacks, verbose=0))
 
     def finish(self):
@@ -262,7 +264,7 @@ def run_sweep(experiment: Experiment, output_dir: Path, model=None, address: Opt
               f"{plan.precision}; results in {session.output_dir}", flush=True)
         total = len(plan.runnable) + len(plan.skipped)
         specs = [session.spec(p) for p in plan.runnable]
-        session.tuner({"spec": tune.grid_search(specs)}, total).fit()
+        session.tuner({"trial": tune.grid_search([trial_config(spec) for spec in specs])}, total).fit()
         frame = session.finish()
         if len(frame) < total:  # Tune stops early on Ctrl-C or SIGTERM, after saving its state
             raise SweepIncomplete(len(frame), total)

@@ -48,6 +48,11 @@ class TrialLog:
         return self._reports.pop(trial, None), max(starts.values(), default=0)
 
 
+def trial_config(spec: TrialSpec) -> dict[str, Any]:
+    """A trial's entry in Tune's config: the spec, and its name as a string Tune can show."""
+    return {"spec": spec, "name": spec.name}
+
+
 def trial_log(name: str):
     return TrialLog.options(name=name, get_if_exists=True, lifetime=None).remote()
 
@@ -124,7 +129,11 @@ def run_trial(config: dict[str, Any]) -> None:
     # Ray Train moves each worker into a new folder per run; the kernels cuDNN compiles at run time are
     # reused by a later process only from the same working directory (about 1 s a trial on the H200).
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
-    spec: TrialSpec = config["spec"]
+    spec: TrialSpec = config["trial"]["spec"]
+    if spec.private_ray:
+        # Ray Train watches every run's nodes for preemption from an actor of its own: a process more per
+        # trial, for nodes that cannot be preempted on a private Ray.
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     experiment, point = spec.experiment, spec.point
     context = tune.get_context()
     trial_key = spec.name + context.get_trial_id()

@@ -17,7 +17,15 @@ CASES = [
     ("workers below one", [QUICK, "--set", "grid.num_workers=[0,1]"], "num_workers: must be integers of at least 1"),
     ("no point fits", [QUICK, "--set", "grid.num_workers=[4096]"], "no grid point can run"),
     ("fp16 on cpu", [QUICK, "--set", "precision=fp16", "--set", "device=cpu"], "precision fp16 needs a GPU"),
-    ("niceness out of range", [QUICK, "--set", "worker_niceness=20"], "worker_niceness: should be less than or equal to 19"),
+    ("retries below zero", [QUICK, "--set", "runtime.max_failures=-1"], "runtime.max_failures: should be greater than or equal to 0"),
+    ("launcher knob at the top", [QUICK, "--set", "cpus_per_worker=2"], "runtime.cpus_per_worker"),
+    ("engine without the stage", [QUICK, "--set", "grid.backend=fsdp", "--set", "grid.stage=[1]"], "fsdp has stages 2, 3, not 1"),
+    ("unknown hf model type", [QUICK, "--set", "model=hf:gtp2"], "did you mean 'gpt2'"),
+    ("unknown hf config key", [QUICK, "--set", "model=hf:gpt2", "--set", "model_config.n_layers=2"], "n_layers"),
+    ("unknown timm model", [QUICK, "--set", "model=timm:vit_tinyy_patch16_224"], "vit_tiny_patch16_224"),
+    ("factory not importable", [QUICK, "--set", "model=examples/nope.py:build"], "examples/nope.py"),
+    ("seq_len beyond the model", [QUICK, "--set", "model=hf:gpt2", "--set", "seq_len=4096"], "4096"),
+    ("model states beyond memory", [QUICK, "--set", "model=hf:llama", "--set", "model_config={hidden_size: 16384, num_hidden_layers: 80, intermediate_size: 53248, num_attention_heads: 128}", "--set", "seq_len=16"], "GiB of model states"),
     ("missing file", ["{tmp}/nope.yaml"], "experiment file not found"),
     ("unwritable output", [QUICK, "--output", "{tmp}/a_file/out"], "is not writable"),
     ("malformed set", [QUICK, "--set", "steps"], "expected KEY=VALUE"),
@@ -48,4 +56,9 @@ def test_fp16_on_a_cpu_only_machine_is_refused_before_ray(cli):
 
 def test_report_of_a_folder_without_results(tmp_path, cli):
     done = cli("report", str(tmp_path))
-    assert done.returncode == 2 and "no results.csv here" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 2 and "no trials.jsonl here" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_fit_on_cpu_without_a_budget_is_refused(cli):
+    done = cli("fit", QUICK, "--set", "device=cpu")
+    assert done.returncode == 2 and "needs --budget-gib" in done.stderr and "Traceback" not in done.stderr

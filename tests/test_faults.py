@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import psutil
 
-from ray_zero.config import load_experiment
+from ray_zero.experiment_file import load_experiment
 from ray_zero.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def test_out_of_memory_is_a_row_and_the_sweep_goes_on(ray_instance, tmp_path):
 
 def test_killed_worker_is_retried_then_recorded_as_failed(ray_instance, tmp_path):
     # Stage 0's worker kills itself with SIGKILL at step 2 on every attempt; stage 1 is healthy.
-    experiment = _quick("grid.num_workers=[1]", "max_failures=1", "fault={kind: sigkill, step: 2, stage: 0}")
+    experiment = _quick("grid.num_workers=[1]", "runtime.max_failures=1", "fault={kind: sigkill, step: 2, stage: 0}")
     frame = run_sweep(experiment, tmp_path, command="pytest sigkill").set_index("stage")
     failed, healthy = frame.loc[0], frame.loc[1]
     assert failed["status"] == "failed" and failed["attempts"] == 2  # first try + max_failures retries
@@ -66,7 +66,7 @@ def test_worker_killed_from_outside_as_it_starts_is_retried(ray_instance, tmp_pa
     # Killed as soon as its process appears, while Ray Train starts the worker group (actor, train
     # context, process group): Ray Train kept that group's placement group, and the retry waited for its
     # CPU for ever; and a failed start was not counted as an attempt.
-    experiment = _quick("steps=20", "warmup_steps=2", "grid.stage=[1]", "grid.num_workers=[1]", "max_failures=1")
+    experiment = _quick("steps=20", "warmup_steps=2", "grid.stage=[1]", "grid.num_workers=[1]", "runtime.max_failures=1")
     result: dict = {}
     sweep = threading.Thread(target=lambda: result.update(frame=run_sweep(experiment, tmp_path, command="pytest kill")),
                              daemon=True)
@@ -101,7 +101,7 @@ def test_interrupted_sweep_resumes_running_only_unfinished_trials(tmp_path):
     # next one starts early and waits for the CPUs, so Ctrl-C also stops a trial that is only waiting.
     args = [sys.executable, "-m", "ray_zero", "sweep", "experiments/quick.yaml", "--output", str(output),
             "--set", "steps=4", "--set", "grid.stage=[0,1,2]", "--set", "grid.num_workers=[1]",
-            "--set", "cpus_per_worker=2", "--set", "overlap_startup=true"]
+            "--set", "runtime.cpus_per_worker=2", "--set", "runtime.overlap_startup=true"]
     sweep = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     record = output / "trials.jsonl"
     deadline = time.time() + 240

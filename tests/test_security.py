@@ -9,8 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """
 import os, time, psutil, ray
-from ray_zero.sweep import _start_ray
-context, joined = _start_ray(None)
+from ray_zero.cluster import start_ray
+context, joined = start_ray(None)
 port = int(context.dashboard_url.rsplit(":", 1)[1])
 for _ in range(50):
     ips = {c.laddr.ip for c in psutil.net_connections("inet") if c.status == "LISTEN" and c.laddr.port == port}
