@@ -214,40 +214,20 @@ class DeepSpeedEngine(Engine):
         return state_bytes(self.engine.module, self.optimizer)
 
 
-class TorchZeroEngine(Engine):
-    """DDP with AdamW (stage 0) or ZeroRedundancyOptimizer(AdamW) (stage 1), fp32 parameters, autocast."""
+class _TorchEngine(Engine):
+    """What DDP and FSDP2 share: a torch optimizer over fp32 parameters, a grad scaler for fp16."""
+
+    optimizer: torch.optim.Optimizer
+    local_optimizer: torch.optim.Optimizer  # the one that holds this rank's states
+    scaler = None
 
     def __init__(self, spec, settings, device):
         super().__init__(spec, settings, device)
-        from torch.nn.parallel import DistributedDataParallel
-
         self.config = dataclasses.asdict(settings)
-        self.model = DistributedDataParallel(spec.module, device_ids=[device] if device.type == "cuda" else None)
-        params = [p for p in spec.module.parameters() if p.requires_grad]
-        optimizer_class, kwargs = _optimizer_class(settings.optimizer), _optimizer_kwargs(settings)
-        if settings.stage == 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            self.optimizer = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
-            self._local_optimizer = self.optimizer.optim  # the torch optimizer over this rank's parameters only
-        else:
-            self.optimizer = self._local_optimizer = optimizer_class(params, **kwargs)
-        self.dtype = LOW_PRECISION.get(settings.precision)
-        self.scaler = torch.amp.GradScaler(device.type) if settings.precision == "fp16" else None
-
-    def _autocast(self):
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
-
-    def _forward_backward(self, batch, boundary, forward_context):
-        # no_sync must hold through backward: that is where DDP's all-reduce runs.
-        with contextlib.nullcontext() if boundary else self.model.no_sync():
-            with self._autocast(), _entered(forward_context):
-                loss = self.spec.loss(self.model, batch)
-            scaled = loss / self.settings.gradient_accumulation_steps
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-        return loss.detach()
+    def _backward(self, loss: torch.Tensor) -> None:
+        scaled = loss / self.settings.gradient_accumulation_steps
+        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
 
     def step(self):
         if self.scaler:
@@ -260,20 +240,52 @@ class TorchZeroEngine(Engine):
     def _state_bytes(self):
         # DDP's gradient buckets (one more copy of all gradients, gradient_as_bucket_view=False) live in its
         # C++ reducer, not reachable through public attributes: they are not counted.
-        return state_bytes(self.spec.module, self._local_optimizer)
+        return state_bytes(self.spec.module, self.local_optimizer)
 
 
-class FSDPEngine(TorchZeroEngine):
+class TorchZeroEngine(_TorchEngine):
+    """DDP with AdamW (stage 0) or ZeroRedundancyOptimizer(AdamW) (stage 1), fp32 parameters, autocast."""
+
+    def __init__(self, spec, settings, device):
+        super().__init__(spec, settings, device)
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.model = DistributedDataParallel(spec.module, device_ids=[device] if device.type == "cuda" else None)
+        params = [p for p in spec.module.parameters() if p.requires_grad]
+        optimizer_class, kwargs = _optimizer_class(settings.optimizer), _optimizer_kwargs(settings)
+        if settings.stage == 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            self.optimizer = ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **kwargs)
+            self.local_optimizer = self.optimizer.optim  # over this rank's share of the parameters only
+        else:
+            self.optimizer = self.local_optimizer = optimizer_class(params, **kwargs)
+        self.autocast_dtype = LOW_PRECISION.get(settings.precision)
+        if settings.precision == "fp16":
+            self.scaler = torch.amp.GradScaler(device.type)
+
+    def _forward_backward(self, batch, boundary, forward_context):
+        autocast = (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
+                    else contextlib.nullcontext())
+        # no_sync must hold through backward: that is where DDP's all-reduce runs.
+        with contextlib.nullcontext() if boundary else self.model.no_sync():
+            with autocast, _entered(forward_context):
+                loss = self.spec.loss(self.model, batch)
+            self._backward(loss)
+        return loss.detach()
+
+
+class FSDPEngine(_TorchEngine):
     """FSDP2: fully_shard on each block, then the root; one mesh over all ranks."""
 
     def __init__(self, spec, settings, device):
-        Engine.__init__(self, spec, settings, device)
+        super().__init__(spec, settings, device)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        self.config = dataclasses.asdict(settings)
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        # Parameters compute in low precision; gradients are reduced and kept in fp32, as the master weights.
+        # Parameters compute in low precision (FSDP2 casts them, and the root's floating inputs); gradients
+        # are reduced and kept in fp32, like the sharded fp32 parameters the optimizer steps.
         low = LOW_PRECISION.get(settings.precision)
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
         shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=settings.stage == 3, mp_policy=policy)
@@ -281,22 +293,18 @@ class FSDPEngine(TorchZeroEngine):
             shard(block)
         self.model = shard(spec.module)
         params = [p for p in spec.module.parameters() if p.requires_grad]
-        self.optimizer = self._local_optimizer = _optimizer_class(settings.optimizer)(params, **_optimizer_kwargs(settings))
-        self.dtype = None  # FSDP2 casts parameters itself; inputs are cast to param_dtype at the root
+        self.optimizer = self.local_optimizer = _optimizer_class(settings.optimizer)(params, **_optimizer_kwargs(settings))
         if settings.precision == "fp16":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            self.scaler = ShardedGradScaler(device.type)  # agrees on inf/NaN across ranks before skipping
-        else:
-            self.scaler = None
+            self.scaler = ShardedGradScaler(device.type)  # all ranks agree on inf/NaN before skipping a step
 
     def _forward_backward(self, batch, boundary, forward_context):
-        # Reduce-scatter every micro-batch: skipping it (set_requires_gradient_sync) would keep whole
-        # gradients between micro-batches, the memory stage 2/3 exists to save.
+        # Reduce-scatter every micro-batch, as DeepSpeed's ZeRO-2/3 do: skipping it (set_requires_gradient_sync)
+        # would keep whole gradients between micro-batches, the memory stages 2 and 3 exist to save.
         with _entered(forward_context):
             loss = self.spec.loss(self.model, batch)
-        scaled = loss / self.settings.gradient_accumulation_steps
-        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        self._backward(loss)
         return loss.detach()
 
 
@@ -321,76 +329,75 @@ def _innermost_torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer
     return None
 
 
-def _tensors_in(obj: Any, depth: int = 0, seen: Optional[set] = None) -> Iterable[torch.Tensor]:
-    """Tensors reachable from a DeepSpeed optimizer wrapper's attributes (lists, dicts, tensors)."""
+def _tensors_in(obj: Any, grads: bool = True, depth: int = 0, seen: Optional[set] = None) -> Iterable[torch.Tensor]:
+    """Tensors reachable from a DeepSpeed optimizer wrapper's attributes (lists, dicts, tensors), with their
+    gradients unless not `grads`."""
     seen = set() if seen is None else seen
     if id(obj) in seen or depth > 4:
         return
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
         yield obj
-        if obj.grad is not None:
+        if grads and obj.grad is not None:
             yield obj.grad
     elif isinstance(obj, dict):
         for value in obj.values():
-            yield from _tensors_in(value, depth + 1, seen)
+            yield from _tensors_in(value, grads, depth + 1, seen)
     elif isinstance(obj, (list, tuple)):
         for value in obj:
-            yield from _tensors_in(value, depth + 1, seen)
+            yield from _tensors_in(value, grads, depth + 1, seen)
     elif type(obj).__module__.startswith("deepspeed.runtime") and not isinstance(obj, torch.nn.Module):
         for value in vars(obj).values():
-            yield from _tensors_in(value, depth + 1, seen)
+            yield from _tensors_in(value, grads, depth + 1, seen)
+
+
+# Where DeepSpeed 0.19.8's optimizer wrappers keep what the torch optimizer beneath cannot show: ZeRO-3
+# clears the inner optimizer's param_groups between steps and keeps its fp32 master and gradient
+# partition in flat buffers of its own (read on CPU, stages 0-3, fp32 and bf16).
+_DEEPSPEED_MASTERS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
+_DEEPSPEED_GRADIENTS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
+                        "fp32_groups_gradients_flat", "fp32_groups_gradients")
 
 
 def state_bytes(module: torch.nn.Module, optimizer: Any) -> dict[str, int]:
     """Bytes this rank holds, by kind, counting each tensor storage once (a DTensor by its local shard).
 
-    parameter: the module's parameters (low precision under DeepSpeed fp16/bf16); gradient: gradients of
-    the module's parameters and of the fp32 master partition, and DeepSpeed's gradient partitions; master:
-    the fp32 master copy this rank owns (none when the optimizer steps the module's own parameters);
-    optimizer_state: the torch optimizer's states (Adam's two moments, step); other: any further tensor a
-    DeepSpeed optimizer wrapper holds (buckets, flat buffers). `optimizer` is the torch optimizer over this
-    rank's parameters, or DeepSpeed's wrapper of it.
+    parameter: the module's parameters (low precision under DeepSpeed fp16/bf16), with ZeRO-3's partition of
+    each; gradient: gradients of the module's parameters and of the fp32 master partition, and DeepSpeed's
+    gradient partitions; master: the fp32 master copy this rank owns (none when the optimizer steps the
+    module's own parameters); optimizer_state: the torch optimizer's states (Adam's two moments, step);
+    other: any further tensor a DeepSpeed optimizer wrapper holds (buckets, flat buffers). `optimizer` is
+    the torch optimizer over this rank's parameters, or DeepSpeed's wrapper of it.
     """
     counted: set[tuple[str, int]] = set()
     result = {"parameter_bytes": 0, "gradient_bytes": 0, "master_param_bytes": 0,
               "optimizer_state_bytes": 0, "other_optimizer_bytes": 0}
 
-    def add(kind: str, tensor: torch.Tensor) -> None:
-        tensor = _local(tensor)
-        if tensor.device.type == "meta" or tensor.numel() == 0:
-            return
-        storage = tensor.untyped_storage()
-        key = (str(tensor.device), storage.data_ptr())
-        if key not in counted:
-            counted.add(key)
-            result[kind] += storage.nbytes()
+    def add(kind: str, tensors: Iterable[torch.Tensor]) -> None:
+        for tensor in tensors:
+            tensor = _local(tensor)
+            if tensor.device.type == "meta" or tensor.numel() == 0:
+                continue
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            if key not in counted:
+                counted.add(key)
+                result[kind] += storage.nbytes()
 
-    module_params = list(module.parameters())
-    for p in module_params:
-        add("parameter_bytes", p.data)
     inner = _innermost_torch_optimizer(optimizer)
-    if inner is not None:
-        for state in inner.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    add("optimizer_state_bytes", value)
-        for group in inner.param_groups:
-            for p in group["params"]:
-                add("master_param_bytes", p.data)  # no-op when p is a module parameter
-    for p in module_params:
-        if p.grad is not None:
-            add("gradient_bytes", p.grad)
-    if inner is not None:
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    add("gradient_bytes", p.grad)
-    if optimizer is not None and optimizer is not inner:
-        for name in ("averaged_gradients", "grads_in_partition", "fp32_groups_gradients_flat",
-                     "fp32_groups_gradients"):
-            for tensor in _tensors_in(getattr(optimizer, name, None)):
-                add("gradient_bytes", tensor)
-        for tensor in _tensors_in(optimizer):
-            add("other_optimizer_bytes", tensor)
+    wrapper = optimizer if optimizer is not None and optimizer is not inner else None  # DeepSpeed's
+    inner_params = [p for group in inner.param_groups for p in group["params"]] if inner else []
+    module_params = list(module.parameters())
+    add("parameter_bytes", (p.data for p in module_params))
+    add("parameter_bytes", (p.ds_tensor for p in module_params if hasattr(p, "ds_tensor")))  # ZeRO-3's partition
+    add("optimizer_state_bytes", (value for state in (inner.state.values() if inner else ())
+                                  for value in state.values() if isinstance(value, torch.Tensor)))
+    add("master_param_bytes", (p.data for p in inner_params))  # nothing new when p is a module parameter
+    for name in _DEEPSPEED_MASTERS if wrapper else ():
+        add("master_param_bytes", _tensors_in(getattr(wrapper, name, None), grads=False))
+    add("gradient_bytes", (p.grad for p in module_params + inner_params if p.grad is not None))
+    for name in _DEEPSPEED_GRADIENTS if wrapper else ():
+        add("gradient_bytes", _tensors_in(getattr(wrapper, name, None)))
+    if wrapper is not None:
+        add("other_optimizer_bytes", _tensors_in(wrapper))
     return result
