@@ -24,7 +24,6 @@ import html
 import io
 import math
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -312,7 +311,8 @@ def headline(sweep: Sweep) -> dict[str, Any]:
         memory = (f"peak resident set {_gib(winner['peak_allocated_gib_max'])} per worker, model states "
                   f"{_gib(winner['measured_model_state_gib'])}" if cpu else
                   f"peak {_gib(winner['peak_allocated_gib_max'])} per rank"
-                  + (f" (predicted {_gib(winner['predicted_peak_gib'])})" if _present(winner["predicted_peak_gib"]) else ""))
+                  + (f" (predicted {_gib(winner['predicted_peak_gib'])})"
+                     if _present(winner["predicted_peak_gib"]) else ""))
         speed = f"{fmt(winner['samples_per_s'])} samples/s"
         if _present(winner.get("mfu")):
             speed += f", MFU {_percent(float(winner['mfu']))}"
@@ -624,7 +624,8 @@ class Figures:
         figure.svg = self.svg(fig, figure, titles)
         if memory and gpu:
             figure.caption += (f" Dotted: the device's {self.memory:.1f} GiB (from {self.memory_source})."
-                               if self.memory else " The device's memory is not recorded in this folder: no line for it.")
+                               if self.memory else
+                               " The device's memory is not recorded in this folder: no line for it.")
         return figure
 
     def _failures(self, ax, setting: pd.DataFrame, axis: str, figure: Figure, titles: dict, colour: str) -> None:
@@ -757,7 +758,8 @@ class Figures:
                                  rank["label"].split(" (")[0].replace(" ", ""), False, ""))
                 predicted, rest = self._predicted_bar(record)
                 if predicted is not None:
-                    bars.append((f"{record['trial']} · predicted", predicted, record["trial"], "predicted", True, rest))
+                    bars.append((f"{record['trial']} · predicted", predicted, record["trial"], "predicted", True,
+                                 rest))
             fig, ax = plt.subplots(figsize=(9.6, 0.8 + 0.3 * len(bars)))
             titles: dict[str, str] = {}
             positions = list(range(len(bars)))[::-1]
@@ -844,7 +846,8 @@ class Figures:
                 colour = _colour(self.colours.get(label, 0))
                 done = setting[setting["status"] == "ok"]
                 self._points(ax, done, "micro_batch_size", "peak_allocated_gib_max", "probe", figure, titles,
-                             colour, "-", "o", lambda r: f"{r['trial']}: fits, peak {_gib(r['peak_allocated_gib_max'])}")
+                             colour, "-", "o",
+                             lambda r: f"{r['trial']}: fits, peak {_gib(r['peak_allocated_gib_max'])}")
                 for record in setting[setting["status"] != "ok"].to_dict("records"):
                     y = _number(record["peak_allocated_gib_max"]) or budget
                     if y is None:
@@ -875,7 +878,8 @@ class Figures:
         handles += [Line2D([], [], color="gray", marker="o", label="probe fits"),
                     Line2D([], [], color="gray", marker="X", linestyle="none", markeredgecolor="black",
                            label="probe out of memory"),
-                    Line2D([], [], color="gray", marker="*", markersize=12, linestyle="none", label="largest that fits")]
+                    Line2D([], [], color="gray", marker="*", markersize=12, linestyle="none",
+                           label="largest that fits")]
         if budget:
             handles.append(Line2D([], [], color="firebrick", linestyle="--", label=f"budget {budget:.2f} GiB"))
         legend_right(fig, handles)
@@ -923,8 +927,8 @@ class Figures:
 # --------------------------------------------------------------------------------------------- the page
 
 def render_html(output_dir: Path) -> str:
-    """The page's HTML for one output folder (see the module's docstring for what it reads)."""
-    started = time.perf_counter()
+    """The page's HTML for one output folder (see the module's docstring for what it reads). The same folder
+    gives the same bytes: no build time or date of its own on the page, SVG ids salted per figure."""
     sweep = read_sweep(Path(output_dir))
     figures = Figures(sweep)
     sections = []
@@ -953,9 +957,9 @@ def render_html(output_dir: Path) -> str:
     environment = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=select_autoescape(["html", "j2"]),
                               trim_blocks=True, lstrip_blocks=True)
     page = environment.get_template("report.html.j2").render(
-        header=header(sweep), headline=headline(sweep), table=table(frame), fit_table=fit_table, fit_figures=fit_figures,
-        sections=sections, memory_note=memory_note(sweep.frame).replace("`", ""), trials=len(sweep.frame),
-        build_s=f"{time.perf_counter() - started:.2f}")
+        header=header(sweep), headline=headline(sweep), table=table(frame), fit_table=fit_table,
+        fit_figures=fit_figures, sections=sections, memory_note=memory_note(sweep.frame).replace("`", ""),
+        trials=len(sweep.frame))
     return page
 
 

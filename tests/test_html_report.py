@@ -61,7 +61,8 @@ AFTER = """<script>
     var th = table.querySelector('th[data-key="samples_per_s"]');
     if (th) {
       var column = th.cellIndex, read = function () {
-        return Array.from(table.tBodies[0].rows).map(function (r) { return r.cells[column].getAttribute("data-sort"); }); };
+        return Array.from(table.tBodies[0].rows).map(function (r) {
+          return r.cells[column].getAttribute("data-sort"); }); };
       th.click(); var up = read(); th.click(); var down = read();
       out.sorted = {ascending: up, descending: down};
     }
@@ -92,7 +93,8 @@ def open_page(page: Path, tmp_path: Path) -> dict:
 
 
 def screenshot(page: Path, tmp_path: Path, path: Path, width: int = 1280, height: int = 2000) -> Path:
-    chromium(f"--screenshot={path}", f"--window-size={width},{height}", page.as_uri(), profile=tmp_path / "profile-shot")
+    chromium(f"--screenshot={path}", f"--window-size={width},{height}", page.as_uri(),
+             profile=tmp_path / "profile-shot")
     assert path.is_file(), "Chromium took no screenshot"
     return path
 
@@ -138,7 +140,8 @@ def check_page(folder: Path, tmp_path: Path, shot: Path | None = None) -> dict:
             not_blank(screenshot_taken.result())
     assert page["errors"] == [], page["errors"]
     assert sorted(r["trial"] for r in page["rows"]) == sorted(results["trial"]), "one table row per trial"
-    errors = {trial: error if isinstance(error, str) else "" for trial, error in zip(results["trial"], results["error"])}
+    errors = {trial: error if isinstance(error, str) else ""
+              for trial, error in zip(results["trial"], results["error"])}
     for row in page["rows"]:  # oom, failed and skipped rows marked, with their reason
         status = results.set_index("trial").loc[row["trial"], "status"]
         assert row["status"] == f"status-{status}"
@@ -183,7 +186,8 @@ def check_page(folder: Path, tmp_path: Path, shot: Path | None = None) -> dict:
     sorted_values = page["sorted"]
     assert sorted_values, "the table has a samples/s column to sort by"
     numbers = [float(v) for v in sorted_values["ascending"] if v]
-    assert numbers == sorted(numbers) and sorted_values["ascending"][len(numbers):] == [""] * (len(results) - len(numbers))
+    blanks = sorted_values["ascending"][len(numbers):]
+    assert numbers == sorted(numbers) and blanks == [""] * (len(results) - len(numbers)), "blanks sort last"
     assert [float(v) for v in sorted_values["descending"] if v] == sorted(numbers, reverse=True)
     return figures
 
@@ -277,6 +281,7 @@ def test_folders_of_older_versions(tmp_path):
     (folder / "trials.jsonl").write_text("".join(json.dumps({k: v for k, v in row.items() if k != "per_rank"}) + "\n"
                                                 for row in rows))
     text = write_html_report(folder).read_text()
+    assert render_html(folder) == text, "the same folder, the same page (no dates or timings of its own)"
     assert "max over ranks" in text and "--measured--stage1_mb64_w2--maxoverranks--parameter_bytes" in text
     only_table = tmp_path / "only_table"
     only_table.mkdir()
