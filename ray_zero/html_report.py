@@ -226,8 +226,11 @@ def _percent(fraction: float) -> str:
 
 
 def _gib(value: Any, digits: int = 2) -> str:
+    """GiB in words: "18.10 GiB"; below a tenth of a GiB in MiB ("4.19 MiB": a seed model's states)."""
     number = _number(value)
-    return "-" if number is None else f"{number:.{digits}f} GiB"
+    if number is None:
+        return "-"
+    return f"{number * 1024:.3g} MiB" if 0 < abs(number) < 0.1 else f"{number:.{digits}f} GiB"
 
 
 def _settings(frame: pd.DataFrame) -> dict[str, int]:
@@ -265,7 +268,8 @@ def header(sweep: Sweep) -> dict[str, Any]:
     model = ", ".join(models) or str(experiment.get("model") or "?")
     params = _number(first.get("params"))
     model_text = model + (f" ({int(params):,} parameters)" if params and len(models) == 1 else "")
-    hardware = [str(prov[k]) for k in ("hardware", "driver_gpus", "cluster", "cpu") if prov.get(k)]
+    hardware = [str(prov[k]) for k in ("hardware", "driver_gpus", "cluster", "cpu")
+                if prov.get(k) and not (k == "driver_gpus" and prov[k] == "none")]
     memory, source = device_memory(sweep)
     if memory:
         hardware.append(f"{memory:.1f} GiB per device (from {source})")
@@ -399,7 +403,7 @@ def legend_right(fig, handles: list, left_chars: Optional[int] = None) -> None:
     by tight_layout's measuring of every label: the breakdown's many bars."""
     width_in, height_in = fig.get_figwidth(), fig.get_figheight()
     longest = max((len(h.get_label()) for h in handles), default=0)
-    share = min(0.45, (0.55 + 0.056 * longest) / width_in)  # 8-point DejaVu Sans: about 0.056 in a character
+    share = min(0.45, (0.75 + 0.06 * longest) / width_in)  # 8-point DejaVu Sans: about 0.06 in a character
     if left_chars is None:
         fig.tight_layout(rect=(0, 0, 1 - share, 1))
     else:
@@ -712,10 +716,10 @@ class Figures:
             activations = float(prediction.activation_bytes or 0.0)
             parts["activation_bytes"] = activations
             parts["rest_bytes"] = max(prediction.peak_bytes - prediction.model_state_bytes - activations, 0.0)
-            terms = [f"{words} {getattr(prediction, key) / GIB:.3f}" for key, words in PREDICTED_REST
+            terms = [f"{words} {_gib(getattr(prediction, key) / GIB, 3)}" for key, words in PREDICTED_REST
                      if getattr(prediction, key)]
             step_wins = prediction.step_transient_bytes > activations + prediction.compute_bytes
-            rest = (" (" + ", ".join(terms) + " GiB; the step's temporaries "
+            rest = (" (" + ", ".join(terms) + "; the step's temporaries "
                     + ("outlast" if step_wins else "come after") + " the activations)") if terms else ""
         return parts, rest
 
@@ -765,6 +769,8 @@ class Figures:
             positions = list(range(len(bars)))[::-1]
             used = set()
             lefts = [0.0] * len(bars)
+            largest = max((sum(v for v in bar[1].values() if v) for bar in bars), default=0.0)
+            unit, unit_name = (GIB, "GiB") if largest >= GIB / 2 else (1024 ** 2, "MiB")  # a seed model: MiB
             for key, words, colour in COMPONENTS:  # one barh per component and kind: fast for many rows
                 for is_prediction in (False, True):
                     chosen = [(i, y) for i, (y, bar) in enumerate(zip(positions, bars))
@@ -772,7 +778,7 @@ class Figures:
                     if not chosen:
                         continue
                     used.add(key)
-                    widths = [bars[i][1][key] / GIB for i, _ in chosen]
+                    widths = [bars[i][1][key] / unit for i, _ in chosen]
                     drawn = ax.barh([y for _, y in chosen], widths, left=[lefts[i] for i, _ in chosen], height=0.72,
                                     color=colour, hatch="//" if is_prediction else None, linewidth=0.5,
                                     edgecolor="#444" if is_prediction else "white")
@@ -780,7 +786,8 @@ class Figures:
                         name, _, trial, who, _, rest = bars[i]
                         gid = f"{figure.id}--{'predicted' if is_prediction else 'measured'}--{trial}--{who}--{key}"
                         rect.set_gid(gid)
-                        titles[gid] = f"{name}: {words} {width:.3f} GiB" + (rest if key == "rest_bytes" else "")
+                        titles[gid] = (f"{name}: {words} {width:.3f} {unit_name}"
+                                       + (rest if key == "rest_bytes" else ""))
                         lefts[i] += width
             for y, total in zip(positions, lefts):
                 ax.text(total, y, f" {total:.2f}", va="center", fontsize=7)
@@ -791,13 +798,13 @@ class Figures:
             ax.set_ylim(-0.6, len(bars) - 0.4)
             ax.set_yticks(positions)
             ax.set_yticklabels([b[0] for b in bars], fontsize=7.5)
-            ax.set_xlabel("GiB per rank" + (" (model states only: CPU)" if cpu else ""))
+            ax.set_xlabel(f"{unit_name} per rank" + (" (model states only: CPU)" if cpu else ""))
             ax.grid(axis="x", alpha=0.3)
             ax.margins(x=0.08)
-            if self.memory and not cpu:
-                limit = ax.get_xlim()[1]
-                if self.memory < limit * 1.5:
-                    ax.axvline(self.memory, color="black", linestyle=":", linewidth=1)
+            if self.memory and not cpu:  # the device's memory, where it is near enough to read beside the bars
+                device = self.memory * GIB / unit
+                if device < ax.get_xlim()[1] * 1.5:
+                    ax.axvline(device, color="black", linestyle=":", linewidth=1)
             legend = [Patch(facecolor=c, label=w) for k, w, c in COMPONENTS if k in used]
             legend.append(Patch(facecolor="white", edgecolor="#444", hatch="//", label="predicted (memory model)"))
             legend_right(fig, legend, left_chars=max(len(b[0]) for b in bars))
