@@ -178,6 +178,9 @@ class DeepSpeedEngine(Engine):
             world_size=s.world_size, precision=s.precision, optimizer_type=s.optimizer, lr=s.lr, betas=tuple(s.betas),
             eps=s.eps, weight_decay=s.weight_decay, reduce_bucket_size=s.reduce_bucket_size,
             allgather_bucket_size=s.allgather_bucket_size)
+        # DeepSpeed 0.19.8 clips the gradient norm to 1.0 unless told otherwise; the torch engines do not clip:
+        # the same optimizer everywhere means no clipping here either.
+        self.config["gradient_clipping"] = 0.0
         if s.offload_optimizer == "cpu":
             # With torch_adam DeepSpeed steps torch's AdamW on the host partition (allowed: its
             # zero_force_ds_cpu_optimizer check is for client optimizers only); pinned pages speed up the copies.

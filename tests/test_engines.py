@@ -197,6 +197,14 @@ def test_loss_falls(runs, world_size, backend, stage):
         assert losses[-1] < losses[0] - 0.05, losses
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_every_engine_steps_the_same_optimizer(runs, world_size):
+    """fp32, same seed and data: the same losses from every engine (DeepSpeed's default clipping is off)."""
+    reference = result(runs, world_size, 0, backend="torch_zero", stage=0)["losses"]
+    for backend, stage in SUPPORTED:
+        assert result(runs, world_size, 0, backend=backend, stage=stage)["losses"] == pytest.approx(reference, rel=1e-5), (backend, stage)
+
+
 def optimizer_states(runs, world_size, **case):
     return [result(runs, world_size, r, **case)["states"]["optimizer_state_bytes"] for r in range(world_size)]
 
@@ -266,6 +274,7 @@ def test_deepspeed_config_is_what_initialize_got(runs):
     config = measured["config"]
     assert config == measured["config_deepspeed_got"]  # key for key, after training
     assert config["zero_optimization"]["stage"] == 2 and config["optimizer"]["params"]["torch_adam"] is True
+    assert config["gradient_clipping"] == 0.0
     assert config["train_batch_size"] == 4 * 2
 
 
