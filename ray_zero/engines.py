@@ -84,6 +84,8 @@ def build_engine(spec: ModelSpec, settings: EngineSettings, device: torch.device
         raise EngineError("this model cannot be checkpointed: its spec has neither blocks nor enable_checkpointing")
     if not dist.is_initialized():
         raise EngineError("torch.distributed must be initialised before build_engine")
+    if dist.get_world_size() != settings.world_size:
+        raise EngineError(f"settings.world_size is {settings.world_size} but torch.distributed has {dist.get_world_size()} ranks")
     spec.module.to(device).train()
     if settings.activation_checkpointing:
         _enable_checkpointing(spec)  # before wrapping: DDP, FSDP2 and DeepSpeed then see the recomputing blocks
@@ -192,6 +194,13 @@ class DeepSpeedEngine(Engine):
         self.input_dtype = (torch.float16 if self.engine.fp16_enabled() else
                             torch.bfloat16 if self.engine.bfloat16_enabled() else torch.float32)
         self._step_pending = False
+        from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+        # DeepSpeed 0.19.8's engine.backward scales the loss for ZeRO optimizers only, while stage 0's fp16
+        # optimizers still divide the gradients by the loss scale in step: updates 65536 times too small
+        # (measured on an H200; deepspeedai/DeepSpeed#8393, open). Scale it here, on the version measured only.
+        self._scale_loss = (deepspeed.__version__ == "0.19.8" and self.engine.fp16_enabled()
+                            and not isinstance(self.engine.optimizer, ZeROOptimizer))
 
     def _forward_backward(self, batch, boundary, forward_context):
         if self.engine.is_gradient_accumulation_boundary() != boundary:
@@ -200,7 +209,8 @@ class DeepSpeedEngine(Engine):
                               f"{self.settings.gradient_accumulation_steps}")
         with _entered(forward_context):
             loss = self.spec.loss(self.engine, batch)
-        self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps itself
+        # engine.backward divides by gradient_accumulation_steps itself
+        self.engine.backward(loss * self.engine.optimizer.loss_scale if self._scale_loss else loss)
         if boundary:
             self._step_pending = True  # the optimizer steps in step(), after the caller has seen the gradients
         else:
