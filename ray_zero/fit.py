@@ -204,9 +204,11 @@ def write_fit(session: Session, searches: dict[Point, BracketSearch], searcher: 
         f"- {k}: {v}" for k, v in session.provenance.items() if k != "experiment") + "\n\n"
         + markdown_table(frame.drop(columns=["timed_trial"]), [c for c in frame.columns if c != "timed_trial"]) + "\n")
     _write_best(session, frame, rows)
+    from ray_zero.html_report import write_html_report
     from ray_zero.plots import write_fit_plot
 
     write_fit_plot(frame, out / "fit.png")
+    write_html_report(out)  # again, now with the fit's section
     return frame.drop(columns=["timed_trial"])
 
 

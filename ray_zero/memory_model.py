@@ -107,7 +107,9 @@ def deepspeed(params: int, stage: int, num_workers: int, precision: str, *, offl
     stage 1 holds what stage 2 holds: full low-precision params, a low-precision gradient partition, the
     fp32 master partition and Adam's states, and in the step a flat copy of the gradient partition and
     its fp32 copy (2Ψ + 20Ψ/N at fp16), plus the reduce bucket. With offload the master and Adam's states
-    live in CPU memory and the step runs there. Stage 3 uses the paper's split.
+    live in CPU memory and the step runs there. Stage 3: everything /N, as the paper's split, plus an fp32
+    master partition also in fp32 training; parameters under `param_persistence_threshold` (1e5 elements)
+    stay whole on every rank, which this formula leaves out (it matters for small models only).
     """
     n, low, psi = num_workers, BYTES[precision], float(params)
     bucket = 0.0 if stage == 0 else float(low * reduce_bucket_size)
@@ -127,10 +129,9 @@ def deepspeed(params: int, stage: int, num_workers: int, precision: str, *, offl
         transient = (low + (4 if precision != "fp32" else 0)) * psi / n
         parts = dict(parameter_bytes=low * psi, gradient_bytes=low * psi / n, master_param_bytes=4 * psi / n,
                      optimizer_state_bytes=8 * psi / n, step_transient_bytes=transient)
-    else:
-        base = paper(params, 3, n, precision)
-        parts = dict(parameter_bytes=base.parameter_bytes, gradient_bytes=base.gradient_bytes,
-                     master_param_bytes=base.master_param_bytes, optimizer_state_bytes=base.optimizer_state_bytes)
+    else:  # the paper's split, with an fp32 master partition in fp32 training too (DeepSpeed keeps one)
+        parts = dict(parameter_bytes=low * psi / n, gradient_bytes=low * psi / n, master_param_bytes=4 * psi / n,
+                     optimizer_state_bytes=8 * psi / n)
     if offload != "none":  # in CPU memory: not on the device
         parts.update(master_param_bytes=0.0, optimizer_state_bytes=0.0, step_transient_bytes=0.0)
     return Prediction("deepspeed", bucket_bytes=bucket, basis=basis, **parts)

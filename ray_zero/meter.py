@@ -103,17 +103,23 @@ class Memory:
 
 class SavedForBackward:
     """Bytes of the tensors autograd saves for backward during a forward pass, each storage once and
-    parameters left out: the activations one micro-batch keeps (torch.autograd.graph.saved_tensors_hooks)."""
+    parameters left out (leaves that require gradients: the module's own, or the ones FSDP2 gathers):
+    the activations one micro-batch keeps (torch.autograd.graph.saved_tensors_hooks)."""
 
-    def __init__(self, module: Optional[torch.nn.Module] = None):
-        self._parameters = {p.untyped_storage().data_ptr() for p in module.parameters()} if module else set()
+    def __init__(self):
         self._seen: set[tuple[str, int]] = set()
         self.bytes = 0
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        key = (str(tensor.device), storage.data_ptr())
-        if key not in self._seen and storage.data_ptr() not in self._parameters:
+        base = tensor._base if tensor._base is not None else tensor  # a weight's transpose is a view of it
+        if base.is_leaf and base.requires_grad:
+            return tensor
+        try:
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+        except RuntimeError:  # a tensor subclass without storage of its own (a DTensor's wrapper)
+            return tensor
+        if key not in self._seen:
             self._seen.add(key)
             self.bytes += storage.nbytes()
         return tensor

@@ -119,10 +119,12 @@ def rerender(output_dir: Path) -> pd.DataFrame:
 
 
 def write_pages(output_dir: Path, frame: pd.DataFrame) -> None:
-    """The plots (and, where ray_zero has it, the HTML report) of a results table."""
+    """The plots and the report page of a results table (the page reads the tables just written)."""
+    from ray_zero.html_report import write_html_report
     from ray_zero.plots import write_plots
 
     write_plots(frame, output_dir)
+    write_html_report(output_dir)
 
 
 def console_table(frame: pd.DataFrame, width: int = 120) -> str:

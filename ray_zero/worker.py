@@ -156,7 +156,7 @@ class _Run:
         engine = build_engine(model, engine_settings(spec, self.world_size), self.device)
         self._done("initialize", "initialize")
 
-        saved = SavedForBackward(model.module)
+        saved = SavedForBackward()
         measured_step = max(warmup - 1, 0)  # one micro-batch measured alone, before the timed steps
         losses_by_epoch, epoch_loss = [], torch.zeros((), device=self.device)
         loss_first = loss_last = float("nan")

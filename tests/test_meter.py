@@ -14,7 +14,7 @@ from ray_zero.meter import Meter, SavedForBackward
 def test_saved_for_backward_counts_activations_once_and_not_the_weights():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
-    small, large = SavedForBackward(model), SavedForBackward(model)
+    small, large = SavedForBackward(), SavedForBackward()
     with small():
         model(torch.randn(8, 64)).sum().backward()
     with large():
