@@ -98,13 +98,21 @@ def _use_cluster_token(address: str | None) -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def _describe(experiment):
-    """The model's facts, before Ray starts; a bad model is one line (ConfigError)."""
+def _describe(experiment, address: str | None = None):
+    """The model's facts, before Ray starts; a bad model is one line (ConfigError). On this machine's own
+    Ray, a model whose states cannot fit is refused as soon as its parameters are counted."""
     from ray_zero.models import ModelError, describe_model
+
+    def check(params: int) -> None:
+        if not (address or os.environ.get("RAY_ADDRESS")):
+            from ray_zero.cluster import check_model_fits, local_cluster, plan_sweep
+
+            cluster = local_cluster()
+            check_model_fits(experiment, params, cluster, plan_sweep(experiment, cluster))
 
     try:
         return describe_model(experiment.model, experiment.model_options, experiment.seq_len,
-                              experiment.input_shape, experiment.num_classes)
+                              experiment.input_shape, experiment.num_classes, check_params=check)
     except ModelError as error:
         raise ConfigError(f"model {experiment.model}: {error}") from None
 
@@ -127,7 +135,7 @@ def _experiment_and_output(args):
 
 def _run(args) -> int:
     experiment, output = _experiment_and_output(args)
-    model = _describe(experiment)
+    model = _describe(experiment, args.address)
     _use_cluster_token(args.address)
     from ray_zero.report import console_table  # imports Ray only after the input is checked
     from ray_zero.sweep import SweepIncomplete, run_sweep

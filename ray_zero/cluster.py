@@ -115,10 +115,9 @@ def joined_cluster(address: str) -> Cluster:
     return Cluster(gpus=int(total.get("GPU", 0)), cpus=int(total.get("CPU", 0)), source=f"the cluster at {address}")
 
 
-def check_model_fits(experiment: Experiment, model, cluster: Cluster, plan: Plan) -> None:
-    """Refuse a model whose predicted model states alone exceed every worker's memory at every point
-    (`model`: ray_zero.models.ModelInfo). On GPU a worker has one GPU; on CPU the workers of a node
-    share its memory."""
+def check_model_fits(experiment: Experiment, params: int, cluster: Cluster, plan: Plan) -> None:
+    """Refuse a model of `params` parameters whose predicted model states alone exceed every worker's
+    memory at every point. On GPU a worker has one GPU; on CPU the workers of a node share its memory."""
     from ray_zero.memory_model import GIB, engine_prediction
 
     if plan.use_gpu:
@@ -131,11 +130,11 @@ def check_model_fits(experiment: Experiment, model, cluster: Cluster, plan: Plan
         budget, what = float(psutil.virtual_memory().total), "this machine's memory"
     needs = {}
     for point in plan.runnable:
-        per_rank = engine_prediction(point.backend, model.params, point.stage, point.num_workers, plan.precision,
+        per_rank = engine_prediction(point.backend, params, point.stage, point.num_workers, plan.precision,
                                      offload=point.offload_optimizer).model_state_bytes
         needs[point.name] = per_rank * (1 if plan.use_gpu else point.num_workers)
     if needs and min(needs.values()) > budget:
         name = min(needs, key=needs.get)
-        raise ConfigError(f"model {experiment.model}: {model.params:,} parameters need {needs[name] / GIB:.1f} GiB "
+        raise ConfigError(f"model {experiment.model}: {params:,} parameters need {needs[name] / GIB:.1f} GiB "
                           f"of model states per {'rank' if plan.use_gpu else 'trial'} even at its smallest point "
                           f"({name}, memory model), more than {what}; try more workers or a higher stage")

@@ -101,13 +101,18 @@ class _Built:
 
 
 def describe_model(model: str, model_config: dict | None = None, seq_len: int | None = None,
-                   input_shape: list[int] | None = None, num_classes: int | None = None) -> ModelInfo:
-    """Parameters and training FLOPs per sample of `model`, built on the meta device (no memory used)."""
+                   input_shape: list[int] | None = None, num_classes: int | None = None,
+                   check_params: Callable[[int], None] | None = None) -> ModelInfo:
+    """Parameters and training FLOPs per sample of `model`, built on the meta device (no memory used).
+    `check_params(count)` runs before the FLOPs are counted (seconds for a large model): a model that
+    cannot fit is refused without waiting for them."""
     with torch.device("meta"):
         built = _build(model, model_config, seq_len, input_shape, num_classes, counting=True)
     module = built.spec.module
     params = list(module.parameters())  # unique Parameter objects: tied embeddings count once
     count = sum(p.numel() for p in params)
+    if check_params is not None:
+        check_params(count)
     return ModelInfo(
         source=model, kind=built.kind, task=built.task, params=count,
         param_bytes=sum(p.numel() * p.element_size() for p in params),

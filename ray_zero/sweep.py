@@ -170,14 +170,14 @@ class Session:
         self.diagnostics, self.address, self.verbose = diagnostics, address, verbose
         if not (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
             cluster = local_cluster()  # reject impossible grids before Ray starts
-            check_model_fits(self.experiment, model, cluster, plan_sweep(self.experiment, cluster))
+            check_model_fits(self.experiment, model.params, cluster, plan_sweep(self.experiment, cluster))
 
     def __enter__(self) -> "Session":
         context, self.joined = start_ray(self.address, self.verbose)
         try:
             self.cluster = joined_cluster(self.joined) if self.joined else local_cluster()
             self.plan = plan_sweep(self.experiment, self.cluster)
-            check_model_fits(self.experiment, self.model, self.cluster, self.plan)
+            check_model_fits(self.experiment, self.model.params, self.cluster, self.plan)
             dashboard = getattr(context, "dashboard_url", None)
             if dashboard:
                 print(f"ray_zero: Ray dashboard at http://{dashboard}", flush=True)

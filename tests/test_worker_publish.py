@@ -1,4 +1,5 @@
-"""A rank's live figures reach the caller at most once a second, however often it measures a window."""
+"""A rank's live figures reach the caller at most once a second, however often it measures a window;
+and the rank trains the same way without Ray (the bare-DeepSpeed baseline runs this very `train`)."""
 from __future__ import annotations
 
 import json
@@ -18,14 +19,15 @@ with socket.socket() as s:
     port = s.getsockname()[1]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 dist.init_process_group("gloo", rank=0, world_size=1)
-from ray_zero.config import Experiment
+from ray_zero.config import Point, TrialSpec
+from ray_zero.experiment_file import validate_experiment
+from ray_zero.models import describe_model
 from ray_zero.worker import train
-experiment = Experiment.model_validate({"model": "seed", "dataset": "synthetic", "steps": 160, "warmup_steps": 10,
-                                        "live_metrics_every": 1, "grid": {"stage": [1], "micro_batch_size": [64],
-                                                                          "num_workers": [1]}})
+experiment = validate_experiment({"model": "seed", "dataset": "synthetic", "steps": 160, "warmup_steps": 10,
+                                  "runtime": {"live_metrics_every": 1}})
+spec = TrialSpec(experiment, Point("deepspeed", 1, 64, 1), "fp32", False, describe_model("seed"), "/tmp")
 calls = []
-result = train({"experiment": experiment.model_dump(mode="json"), "point": {"stage": 1, "micro_batch_size": 64,
-               "num_workers": 1}, "precision": "fp32"}, 0, 1, torch.device("cpu"),
+result = train(spec, 0, 1, torch.device("cpu"),
                on_progress=lambda step, values: calls.append([time.perf_counter(), step, values["samples_per_s"]]))
 print(json.dumps({"calls": calls, "timed_s": result["timed_s"], "steps": result["steps"]}))
 os._exit(0)
