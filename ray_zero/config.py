@@ -258,6 +258,10 @@ class Experiment(_Strict):
     """ZeRO-1/2 all-gather bucket, in elements."""
     seed: int = 0
     """Seed for weights, data order and synthetic data."""
+    calibrate: Literal["auto", "true", "false"] = "auto"
+    """Measure the model's activation memory per sample in two short trials before the grid (stage 0, one
+    worker, micro-batches outside the grid), to predict every row's peak; auto: on GPU, for any model
+    that is not a preset (the presets' activations are counted from their shapes)."""
     grid: Grid = Grid()
     """The engine x stage x micro-batch x workers x checkpointing x offload grid."""
     runtime: Runtime = Runtime()

@@ -63,8 +63,7 @@ class Diagnostics:
     def __init__(self):
         self.figures: dict[str, Any] = {
             "pid": os.getpid(), "process_started_at": process_started_at(), "working_dir": os.getcwd(),
-            "jit_ops_dir": os.environ.get("TORCH_EXTENSIONS_DIR"), "niceness": os.nice(0),
-            "python": sys.executable}
+            "niceness": os.nice(0), "python": sys.executable}
         self._gc_s, self._gc_began = 0.0, None
         self.mark("train_loop_started")  # Ray Train's worker, its process group, set up
 
@@ -104,4 +103,5 @@ class Diagnostics:
         self.figures["timed_gc_s"] = self._gc_s
 
     def result(self) -> dict[str, Any]:
-        return dict(self.figures)
+        # Where DeepSpeed's JIT ops were built or found (the rank sets it as it starts training).
+        return {**self.figures, "jit_ops_dir": os.environ.get("TORCH_EXTENSIONS_DIR")}

@@ -24,7 +24,9 @@ from ray_zero.fit_search import BracketSearch, Steps
 from ray_zero.memory_model import GIB, predict_point
 from ray_zero.report import markdown_table
 from ray_zero.store import atomic_write, load_trials
-from ray_zero.sweep import Session, SweepIncomplete
+from ray_zero import calibration
+from ray_zero.report import read_calibration
+from ray_zero.sweep import Session, SweepIncomplete, calibrate
 from ray_zero.trial import trial_config
 
 PROBE_STEPS = 3
@@ -62,14 +64,16 @@ def _key(point: Point) -> Point:
     return point.replace(micro_batch_size=0)
 
 
-def first_guess(session: Session, key: Point, budget_gib: float, steps: Steps) -> Optional[int]:
-    """The largest micro-batch the memory model says fits (GPU, where it predicts activations), else None."""
+def first_guess(session: Session, key: Point, budget_gib: float, steps: Steps,
+                calibrated: Optional[dict] = None) -> Optional[int]:
+    """The largest micro-batch the memory model says fits (GPU, where it predicts activations: the presets'
+    shapes, or a calibration), else None."""
     if not session.plan.use_gpu:
         return None
 
     def predicted(micro: int) -> Optional[float]:
         row = {**_row_of(session, key.replace(micro_batch_size=micro)), "memory_kind": "cuda"}
-        peak = predict_point(row).peak_bytes
+        peak = predict_point(row, calibrated).peak_bytes
         return None if peak is None else peak / GIB
 
     if predicted(steps.smallest) is None or predicted(steps.smallest) > budget_gib:
@@ -117,7 +121,7 @@ class FitSearcher(Searcher):
                 return self._config(key.replace(micro_batch_size=micro), self.probe, "")
             self.finished_at.setdefault(key, time.time())
             self.timing_started.add(key)
-            if search.answer is not None:
+            if search.answer is not None and self.timed is not None:
                 self.in_flight[trial_id] = (key, "timed")
                 return self._config(key.replace(micro_batch_size=search.answer), self.timed, "timed")
         return Searcher.FINISHED if not self.in_flight and len(self.timing_started) == len(self.searches) else None
@@ -143,14 +147,15 @@ class FitSearcher(Searcher):
                                       result.get("error") or "")
 
 
-def _searches_from_rows(session: Session, rows: list[dict], budget: float, steps: Steps) -> dict[Point, BracketSearch]:
+def _searches_from_rows(session: Session, rows: list[dict], budget: float, steps: Steps,
+                        calibrated: Optional[dict]) -> dict[Point, BracketSearch]:
     """One search per (engine, stage, workers, ...) point, with the probes a resumed fit already ran."""
     keys = list(dict.fromkeys(_key(p) for p in session.plan.runnable))
-    searches = {key: BracketSearch(budget, steps, first_guess(session, key, budget, steps)) for key in keys}
+    searches = {key: BracketSearch(budget, steps, first_guess(session, key, budget, steps, calibrated)) for key in keys}
     for row in rows:
         key = Point(row["backend"], row["stage"], 0, row["num_workers"], bool(row["activation_checkpointing"]),
                     row["offload_optimizer"])
-        if key in searches and not row["trial"].endswith("_timed"):
+        if key in searches and not row["trial"].endswith(("_timed", "_calibration")):
             searches[key].record(row["micro_batch_size"], row["status"], row.get("peak_allocated_gib_max"),
                                  error=row.get("error") or "")
     return searches
@@ -164,12 +169,19 @@ def run_fit(experiment: Experiment, output_dir: Path, model, settings: FitSettin
         budget = settings.budget(session)
         largest = min(settings.max_micro_batch, max(sizes)) if len(sizes) > 1 else settings.max_micro_batch
         steps = Steps(settings.granularity, largest)
-        probe = session.experiment.model_copy(update={"steps": PROBE_STEPS, "warmup_steps": 1, "epochs": None})
-        searches = _searches_from_rows(session, load_trials(session.output_dir) if resume else [], budget, steps)
+        probe_steps = min(PROBE_STEPS, session.experiment.steps or PROBE_STEPS)
+        probe = session.experiment.model_copy(update={"steps": probe_steps, "warmup_steps": 1, "epochs": None})
+        calibrated = read_calibration(session.output_dir)
+        if calibrated is None and calibration.wanted(session.experiment, session.plan.use_gpu):
+            calibrated = calibrate(session)
+        searches = _searches_from_rows(session, load_trials(session.output_dir) if resume else [], budget, steps,
+                                       calibrated)
         print(f"ray_zero: fit: {len(searches)} searches for the largest micro-batch within {budget:.2f} GiB per rank "
               f"on {'GPU' if session.plan.use_gpu else 'CPU'}, {session.plan.precision}; results in {session.output_dir}",
               flush=True)
-        searcher = FitSearcher(session, searches, probe, session.experiment)
+        # The probes' own rates serve when the experiment is no longer than a probe; else each answer is timed.
+        timed = session.experiment if (session.experiment.steps or 10 ** 9) > probe_steps else None
+        searcher = FitSearcher(session, searches, probe, timed)
         session.resume = False  # a resumed fit starts a new Tuner from the searches' recorded probes
         started = time.time()
         session.tuner({}, None, search_alg=searcher, tune_name=f"tune-fit-{int(started)}").fit()
@@ -192,11 +204,11 @@ def write_fit(session: Session, searches: dict[Point, BracketSearch], searcher: 
             "backend": key.backend, "stage": key.stage, "num_workers": key.num_workers,
             "activation_checkpointing": key.activation_checkpointing, "offload_optimizer": key.offload_optimizer,
             "max_micro_batch": answer, "peak_gib": (probe or {}).get("peak_allocated_gib_max"), "budget_gib": budget,
-            "predicted_max": search.first_guess, "samples_per_s": (timed or {}).get("samples_per_s"),
+            "predicted_max": search.first_guess, "samples_per_s": (timed or probe or {}).get("samples_per_s"),
             "probes": len(search.probes) + (1 if search.stopped else 0),
             "search_s": searcher.finished_at.get(key, time.time()) - searcher.started_at.get(key, time.time()),
             "note": search.stopped or ("" if answer else "does not fit at the smallest micro-batch"),
-            "timed_trial": (timed or {}).get("trial")})
+            "timed_trial": (timed or probe or {}).get("trial")})
     frame = pd.DataFrame(table)
     out = session.output_dir
     atomic_write(out / "fit.csv", frame.drop(columns=["timed_trial"]).to_csv(index=False))

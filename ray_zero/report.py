@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 import pandas as pd
 
+from ray_zero.calibration import CALIBRATION_FILE
 from ray_zero.rows import COLUMNS, PER_RANK_COLUMNS, SORT_KEYS, aggregate_ranks, finish_row
 from ray_zero.store import atomic_write, load_trials, read_experiment_file
 
@@ -21,7 +22,6 @@ CONSOLE_COLUMNS = {"trial": "trial", "status": "status", "loss_last": "loss", "s
                    "peak_allocated_gib_max": "peak GiB", "predicted_peak_gib": "predicted",
                    "measured_model_state_gib": "states GiB", "predicted_model_state_gib": "predicted states",
                    "wall_s": "wall s"}
-CALIBRATION_FILE = "calibration.json"
 
 
 def rows_frame(rows: Iterable[dict[str, Any]]) -> pd.DataFrame:

@@ -24,6 +24,7 @@ import yaml
 from ray import tune
 
 from ray_zero.cluster import Cluster, Plan, check_model_fits, joined_cluster, local_cluster, plan_sweep, start_ray
+from ray_zero import calibration
 from ray_zero.config import ConfigError, Experiment, Point, TrialSpec
 from ray_zero.report import console_table, read_calibration, write_pages, write_results
 from ray_zero.rows import finish_row, skipped_row
@@ -229,6 +230,7 @@ class Session:
             trainable, param_space=param_space,
             tune_config=tune.TuneConfig(
                 max_concurrent_trials=max_concurrent or self.plan.trial_drivers, search_alg=search_alg,
+                num_samples=-1 if search_alg is not None else 1,  # a search runs until its searcher is done
                 # The next trial's driver runs in the finished one's process: no new process and imports
                 # for every trial (Tune's default for function trainables is False).
                 reuse_actors=True,
@@ -244,6 +246,24 @@ class Session:
         write_pages(self.output_dir, frame)
         publish(self.output_dir, self.storage)
         return frame
+
+
+def calibrate(session: Session, total: Optional[int] = None) -> dict:
+    """Two short trials measure the model's activations per sample (ray_zero/calibration.py); their rows
+    join the tables, and calibration.json predicts every later row."""
+    points = calibration.calibration_points(session.experiment)
+    probe = session.experiment.model_copy(update={"steps": 3, "warmup_steps": 1, "epochs": None})
+    specs = [dataclasses.replace(session.spec(p, probe), label="calibration") for p in points]
+    print(f"ray_zero: calibrating activations: {len(specs)} trials ({', '.join(s.name for s in specs)})", flush=True)
+    session.tuner({"trial": tune.grid_search([trial_config(s) for s in specs])}, total,
+                  tune_name="tune-calibration").fit()
+    names = {s.name for s in specs}
+    rows = [row for row in load_trials(session.output_dir) if row["trial"] in names]
+    found = calibration.write_calibration(session.output_dir, session.experiment, rows, session.plan.use_gpu,
+                                          session.plan.precision)
+    per_sample = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in found["bytes_per_sample"].items() if v is not None)
+    print(f"ray_zero: activations per sample: {per_sample or 'not measured (see calibration.json)'}", flush=True)
+    return found
 
 
 def run_sweep(experiment: Experiment, output_dir: Path, model=None, address: Optional[str] = None,
@@ -263,6 +283,10 @@ def run_sweep(experiment: Experiment, output_dir: Path, model=None, address: Opt
               f"{plan.max_concurrent_trials} at once{early} on {'GPU' if plan.use_gpu else 'CPU'}, "
               f"{plan.precision}; results in {session.output_dir}", flush=True)
         total = len(plan.runnable) + len(plan.skipped)
+        if calibration.wanted(session.experiment, plan.use_gpu):
+            total += len(calibration.calibration_points(session.experiment))
+            if not resume:
+                calibrate(session, total)
         specs = [session.spec(p) for p in plan.runnable]
         session.tuner({"trial": tune.grid_search([trial_config(spec) for spec in specs])}, total).fit()
         frame = session.finish()

@@ -1,5 +1,6 @@
 """End to end on CPU, as a user runs it: `python -m ray_zero sweep experiments/quick.yaml` (real Ray,
-real DeepSpeed, real MNIST digits), its console, its three tiers of tables; then stages 2 and 3."""
+real DeepSpeed, real MNIST digits), its console, its three tiers of tables. Stage 3, the other engines
+and a trial started early: tests/test_engines_sweep.py."""
 from __future__ import annotations
 
 import math
@@ -11,10 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from ray_zero.experiment_file import load_experiment
 from ray_zero.rows import COLUMNS
-from ray_zero.store import load_trials
-from ray_zero.sweep import run_sweep
 from ray_zero.worker import jit_ops_dir
 
 REQUIRED = ["stage", "micro_batch_size", "num_workers", "precision", "model", "params", "dataset", "steps",
@@ -54,9 +52,12 @@ def test_quick_grid_gives_four_ok_rows_in_at_most_30_columns(quick):
     assert table["loss_first"].map(math.isfinite).all() and table["loss_last"].map(math.isfinite).all()
     assert (table["precision"] == "fp32").all() and (table["params"] == 274_698).all()
     assert (table["samples_per_s"] > 0).all() and (table["memory_kind"] == "cpu_rss").all()
-    # fp32 on CPU: the model states predicted are the tensors counted (params, grads, Adam), within 1%.
-    ratio = table["measured_model_state_gib"] / table["predicted_model_state_gib"]
-    assert ratio.between(0.99, 1.01).all(), ratio
+    # fp32 on CPU: the model states predicted are the tensors counted (params, grads, master, Adam): within
+    # 1% at stage 0; at stage 1 on 2 ranks one rank held 0.43 bytes per parameter more gradient than its
+    # partition here (DeepSpeed's flat gradient buffers of this small model), within 5%.
+    ratio = (table["measured_model_state_gib"] / table["predicted_model_state_gib"]).set_axis(table["trial"])
+    assert ratio[["stage0_mb64_w1", "stage0_mb64_w2", "stage1_mb64_w1"]].between(0.99, 1.01).all(), ratio
+    assert 1.0 <= ratio["stage1_mb64_w2"] < 1.05, ratio
     assert table["predicted_peak_gib"].isna().all() and table["measured_over_predicted"].isna().all()
 
 
@@ -125,16 +126,3 @@ def test_report_rerenders_without_ray(quick, cli):
     assert done.returncode == 0, done.stderr
     assert "stage1_mb64_w2" in done.stdout and (output / "results.md").is_file() and (output / "memory.png").is_file()
     pd.testing.assert_frame_equal(pd.read_csv(output / "results.csv"), before)
-
-
-def test_stages_2_and_3_run_on_cpu_the_second_started_early(ray_instance, tmp_path):
-    experiment = load_experiment("experiments/quick.yaml", [
-        "steps=4", "warmup_steps=1", "dataset=synthetic", "grid.stage=[2,3]", "grid.num_workers=[2]",
-        "runtime.overlap_startup=true"])
-    frame = run_sweep(experiment, tmp_path, command="pytest stages 2 3", diagnostics=True)
-    assert list(frame["status"]) == ["ok", "ok"] and list(frame["stage"]) == [2, 3]
-    assert frame["loss_last"].map(math.isfinite).all()
-    # Both trials' drivers started at once; one trained while the other waited for the CPUs.
-    first, second = sorted(load_trials(tmp_path), key=lambda r: r["diagnostics"][0]["finished_at"])
-    assert second["diagnostics"][0]["fit_started_at"] < first["diagnostics"][0]["finished_at"]
-    assert first["diagnostics"][0]["finished_at"] < min(d["process_started_at"] for d in second["diagnostics"])
