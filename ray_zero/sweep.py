@@ -130,7 +130,11 @@ class ResultsWriter(tune.Callback):
         row["recorded_at"] = time.time()  # when the sweep had it: what each trial adds to a sweep (bench/)
         append_trial(self.output_dir, row)
         frame = write_results(self.output_dir, load_trials(self.output_dir), read_provenance(self.output_dir))
-        write_pages(self.output_dir, frame)
+        try:
+            write_pages(self.output_dir, frame)
+        except Exception as error:  # the tables are written; a figure must not end the sweep
+            print(f"ray_zero: plots and report.html not written ({type(error).__name__}: {error}); "
+                  f"`python -m ray_zero report {self.output_dir}` draws them later", flush=True)
         publish(self.output_dir, self.storage)
         if self.on_row is not None:
             self.on_row(row)
