@@ -1,11 +1,13 @@
-"""Kill a trial's Ray Train worker from outside at chosen moments of its start, and print what came of
-each trial: its status, its attempts and how long the sweep took. One private Ray with 2 CPUs, one
-stage-1 trial of quick.yaml at a time, each worker reserving one CPU: a placement group that a failed
-start leaves reserved shows as a retry that never ends: after the second such start with 1 worker,
-after the first with 2.
+"""Kill a trial's Ray Train worker from outside at chosen moments of its start, and print what came of each
+trial: its status, its attempts and how long its sweep took. One private Ray with 2 CPUs, one stage-1 trial
+of quick.yaml at a time with one retry (runtime.max_failures=1), each worker reserving one CPU: a placement
+group that a failed start left reserved shows as a sweep that never ends.
 
-    python bench/kill_timing.py 0 0.3 1 2 3 5     # seconds after the (first) worker process appears
+    python bench/kill_timing.py 0 1 2 3            # seconds after the (first) worker process appears
     python bench/kill_timing.py --workers 2 0 1 2
+
+`attempts` counts the attempts whose ranks began training (ray_zero.trial.train_loop counts them as each
+rank starts): a worker killed before it reached the training function leaves no attempt behind.
 """
 from __future__ import annotations
 
@@ -22,24 +24,30 @@ import ray
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from ray_zero.config import load_experiment  # noqa: E402
+from ray_zero.experiment_file import load_experiment  # noqa: E402
 from ray_zero.sweep import run_sweep  # noqa: E402
 
 
 def train_worker() -> psutil.Process | None:
-    for process in psutil.process_iter(["cmdline"]):
-        if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
-            return process
+    """A Ray Train worker of this process's own Ray (Ray's processes descend from the process that started it:
+    another Ray on the machine is left alone)."""
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if "RayTrainWorker" in " ".join(process.cmdline()):
+                return process
+        except psutil.NoSuchProcess:
+            continue
     return None
 
 
 def kill_after(delay_s: float, steps: int, patience_s: float, workers: int) -> str:
     experiment = load_experiment(ROOT / "experiments" / "quick.yaml", [
-        f"steps={steps}", "warmup_steps=2", "grid.stage=[1]", f"grid.num_workers=[{workers}]", "max_failures=1"])
+        f"steps={steps}", "warmup_steps=2", "grid.stage=[1]", f"grid.num_workers=[{workers}]",
+        "runtime.max_failures=1"])
     result: dict = {}
     started = time.time()
     sweep = threading.Thread(target=lambda: result.update(
-        frame=run_sweep(experiment, Path(tempfile.mkdtemp()), command="bench kill_timing")), daemon=True)
+        frame=run_sweep(experiment, Path(tempfile.mkdtemp()), command="bench/kill_timing.py")), daemon=True)
     sweep.start()
     victim = None
     while victim is None and time.time() - started < 120:
@@ -51,11 +59,14 @@ def kill_after(delay_s: float, steps: int, patience_s: float, workers: int) -> s
     time.sleep(delay_s)
     victim.send_signal(signal.SIGKILL)
     sweep.join(timeout=patience_s)
+    said = f"worker appeared at {appeared:.1f} s, killed {delay_s} s later:"
     if sweep.is_alive():
-        return f"worker appeared at {appeared:.1f} s, killed {delay_s} s later: no end within {patience_s:.0f} s"
+        return f"{said} no end within {patience_s:.0f} s"
+    if "frame" not in result:
+        return f"{said} the sweep raised (its traceback above)"
     row = result["frame"].iloc[0]
-    return (f"worker appeared at {appeared:.1f} s, killed {delay_s} s later: {row['status']}, "
-            f"{row['attempts']} attempts, sweep {time.time() - started:.1f} s")
+    error = f" ({row['error']})" if isinstance(row["error"], str) else ""
+    return f"{said} {row['status']}, {row['attempts']} attempts, sweep {time.time() - started:.1f} s{error}"
 
 
 def main() -> None:

@@ -1,12 +1,13 @@
-"""Where a trial's start-up goes, process by process: one grid point, bare DeepSpeed and ray_zero.
+"""Where a trial's start-up goes, process by process: one grid point, bare DeepSpeed and a ray_zero sweep.
 
     python bench/startup_profile.py experiments/quick.yaml --set 'grid.stage=[1]' --set 'grid.num_workers=[2]' \
         --output /tmp/startup
 
-Both runs set PYTHONPROFILEIMPORTTIME=1, so every Python process logs its imports. The ray_zero run
-uses a private Ray whose session logs are kept: for every process Ray started, which actor it hosts,
-when its log began and what it imported (the eight slowest top-level imports); and Ray Train's own
-worker-group timings from its controller log. Writes `startup.md` in the output folder.
+Both runs set PYTHONPROFILEIMPORTTIME=1, so every Python process logs its imports. The ray_zero run uses a
+private Ray whose session logs are read before it stops: for every process Ray started, which actor it
+hosts, when its log began and what it imported (the slowest top-level imports); Ray Train's own
+worker-group lines from its controller log; and the trial's phases from the diagnostics marks, as
+bench/bench.py reports them. Writes `startup.md` in the output folder.
 """
 from __future__ import annotations
 
@@ -21,18 +22,18 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import BARE_PHASES, RAY_PHASES, bare_spec, ray_rows, run_bare  # noqa: E402
 
 IMPORT_LINE = re.compile(r"import time:\s+\d+ \|\s+(\d+) \|( +)(\S+)")
 
 
-def top_imports(text: str, keep: int = 8) -> tuple[float, list[tuple[float, str]]]:
-    """Seconds spent in top-level imports, and the slowest of them, from -X importtime output."""
+def top_imports(text: str, keep: int = 5) -> tuple[float, str]:
+    """Seconds in top-level imports, and the slowest of them, from -X importtime output."""
     tops = [(int(m.group(1)) / 1e6, m.group(3)) for m in map(IMPORT_LINE.match, text.splitlines())
             if m and len(m.group(2)) == 1]
-    return sum(t for t, _ in tops), sorted(tops, reverse=True)[:keep]
+    slowest = ", ".join(f"{name} {seconds:.2f}" for seconds, name in sorted(tops, reverse=True)[:keep])
+    return sum(t for t, _ in tops), slowest
 
 
 def _log_start(path: Path) -> float | None:
@@ -43,23 +44,23 @@ def _log_start(path: Path) -> float | None:
     return None
 
 
-def ray_processes(logs: Path) -> list[dict]:
-    """One entry per Python process Ray started: actor, log start, imports."""
+def ray_processes(logs: Path, origin: float) -> list[str]:
+    """A table row per Python process Ray started: actor, when its log began (from fit()), imports."""
     processes = []
     for err in sorted(logs.glob("worker-*.err")):
         pid = err.stem.rsplit("-", 1)[1]
         out = err.with_suffix(".out")
         names = re.findall(r":actor_name:(\S+)", out.read_text(errors="replace")) if out.exists() else []
         core = next(logs.glob(f"python-core-worker-*_{pid}.log"), None)
+        began = _log_start(core) if core else None
         seconds, slowest = top_imports(err.read_text(errors="replace"))
-        processes.append({"pid": pid, "actor": " ".join(dict.fromkeys(names)) or "(idle)",
-                          "log_started_at": _log_start(core) if core else None,
-                          "imports_s": seconds, "slowest": slowest})
-    return sorted(processes, key=lambda p: p["log_started_at"] or 0)
+        processes.append((began or 0, f"| {pid} | {' '.join(dict.fromkeys(names)) or '(idle)'} | "
+                                      f"{f'{began - origin:+.2f}' if began else '-'} | {seconds:.2f} | {slowest} |"))
+    return [line for _, line in sorted(processes)]
 
 
-def controller_timings(logs: Path) -> list[str]:
-    """Ray Train's own worker-group start-up lines (its controller logs them at DEBUG)."""
+def controller_lines(logs: Path) -> list[str]:
+    """Ray Train's own worker-group start-up lines (its controller logs them, JSON lines)."""
     lines = []
     for path in logs.glob("train/ray-train-sys-controller-*.log"):
         for line in path.open(errors="replace"):
@@ -70,82 +71,70 @@ def controller_timings(logs: Path) -> list[str]:
     return lines
 
 
+def phase_lines(row: dict, prefix: str) -> list[str]:
+    return [f"- {k[len(prefix) + 1:]}: {v:.2f}" for k, v in row.items() if k.startswith(prefix + " ")]
+
+
 def profile_ray(experiment, output: Path) -> list[str]:
     import ray
     from ray_zero.sweep import run_sweep
 
-    context = ray.init(dashboard_host="127.0.0.1", configure_logging=False)
+    context = ray.init(dashboard_host="127.0.0.1", configure_logging=False, log_to_driver=False)
     try:
-        run_sweep(experiment, output / "ray_zero", command="bench/startup_profile.py")
+        called_at = time.time()
+        run_sweep(experiment, output / "ray_zero", command="bench/startup_profile.py", diagnostics=True)
         logs = Path(context.address_info["session_dir"]) / "logs"
         shutil.copytree(logs / "train", output / "ray_logs" / "train", dirs_exist_ok=True)
-        processes, timings = ray_processes(logs), controller_timings(logs)
+        row = ray_rows(output / "ray_zero", called_at)[0]
+        processes, controller = ray_processes(logs, row["marks"]["fit_started_at"]), controller_lines(logs)
     finally:
         ray.shutdown()
-    row = next(r for r in _trials(output / "ray_zero"))
-    origin = row["fit_started_at"]
-    lines = ["## ray_zero: every process Ray started, in order (seconds from TorchTrainer.fit)", "",
-             "| pid | actor | log began | top-level imports (s) | slowest imports (s) |", "|---|---|---|---|---|"]
-    for p in processes:
-        began = f"{p['log_started_at'] - origin:+.2f}" if p["log_started_at"] else "-"
-        slowest = ", ".join(f"{name} {sec:.2f}" for sec, name in p["slowest"][:5])
-        lines.append(f"| {p['pid']} | {p['actor']} | {began} | {p['imports_s']:.2f} | {slowest} |")
-    lines += ["", "## ray_zero: Ray Train's controller log", "", "```", *timings, "```", ""]
-    lines += ["## ray_zero: the trial's marks (seconds from TorchTrainer.fit; slowest rank)", ""]
-    marks = {k: row[k] for k in ("driver_process_started_at", "tune_started_at", "driver_started_at",
-                                 "fit_started_at", "fit_finished_at", "tune_finished_at")}
-    for rank in row["per_rank"]:
-        for key, value in rank.items():
-            if key.endswith("_at") and isinstance(value, (int, float)):
-                marks[key] = max(marks.get(key, value), value)
-    lines += [f"- {k}: {v - origin:+.2f}" for k, v in sorted(marks.items(), key=lambda kv: kv[1])]
-    return lines + [""]
+    return ["## ray_zero: every process Ray started, in order (log began: seconds from TorchTrainer.fit)", "",
+            "| pid | actor | log began | top-level imports (s) | slowest imports (s) |", "|---|---|---|---|---|",
+            *processes, "", "## ray_zero: Ray Train's controller log", "", "```", *controller, "```", "",
+            f"## ray_zero: phases (seconds, slowest rank; {row['ray_zero_wall_s']:.2f} s from the sweep's call "
+            "to the trial's row)", "", *phase_lines(row, "ray"), ""]
 
 
-def _trials(folder: Path):
-    from ray_zero.report import load_trials
-    return [r for r in load_trials(folder) if r.get("status") == "ok"]
-
-
-def profile_bare(experiment, point, precision: str, use_gpu: bool, output: Path) -> list[str]:
-    from bench import run_bare
-
+def profile_bare(spec, output: Path) -> list[str]:
     logs = output / "bare_logs"
-    row = run_bare(experiment, point, precision, use_gpu, Path(tempfile.mkdtemp(prefix="bare-")),
-                   torchrun_args=["--log-dir", str(logs), "--redirects", "2"])
+    workdir = Path(tempfile.mkdtemp(prefix="bare-"))
+    row = run_bare(spec, workdir, torchrun_args=["--log-dir", str(logs), "--redirects", "2"])
     lines = ["## bare DeepSpeed: each rank's imports", "", "| rank | top-level imports (s) | slowest imports (s) |",
              "|---|---|---|"]
     for err in sorted(logs.rglob("stderr.log")):
         seconds, slowest = top_imports(err.read_text(errors="replace"))
-        lines.append(f"| {err.parent.name} | {seconds:.2f} | "
-                     f"{', '.join(f'{name} {sec:.2f}' for sec, name in slowest[:5])} |")
-    lines += ["", "## bare DeepSpeed: phases (seconds, slowest rank)", ""]
-    lines += [f"- {k[5:]}: {v:.2f}" for k, v in row.items() if k.startswith("bare ")]
-    return lines + [""]
+        lines.append(f"| {err.parent.name} | {seconds:.2f} | {slowest} |")
+    return lines + ["", f"## bare DeepSpeed: phases (seconds, slowest rank; {row['wall_s']:.2f} s in all)", "",
+                    *phase_lines(row, "bare"), ""]
 
 
 def main() -> None:
-    from bench import require_new_output
-    from ray_zero.config import load_experiment
-    from ray_zero.sweep import local_cluster, plan_sweep
+    from ray_zero.cluster import local_cluster, plan_sweep
+    from ray_zero.experiment_file import load_experiment
+    from ray_zero.models import describe_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("experiment")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="as for ray_zero sweep")
-    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--output", type=Path, required=True, help="a new folder")
     args = parser.parse_args()
-    require_new_output(parser, args.output)
-    experiment = load_experiment(args.experiment, args.overrides).with_absolute_data_dir()
+    if args.output.is_dir() and any(args.output.iterdir()):
+        parser.error(f"--output {args.output} is not empty: give a new folder")
+    experiment = load_experiment(args.experiment, args.overrides).with_absolute_paths()
     plan = plan_sweep(experiment, local_cluster())
     if len(plan.runnable) != 1:
-        sys.exit(f"startup_profile: the grid must have exactly one runnable point (it has "
-                 f"{len(plan.runnable)}); narrow it with --set grid.KEY=[VALUE]")
+        parser.error(f"the grid must have exactly one runnable point (it has {len(plan.runnable)}); narrow it "
+                     "with --set grid.KEY=[VALUE]")
+    point = plan.runnable[0]
+    model = describe_model(experiment.model, experiment.model_options, experiment.seq_len, experiment.input_shape,
+                           experiment.num_classes)
     args.output.mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONPROFILEIMPORTTIME"] = "1"  # inherited by torchrun's ranks and by Ray's processes
-    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    lines = [f"# Start-up profile: {experiment.name}, {plan.runnable[0]}", "",
-             f"- date: {started}", f"- command: python bench/startup_profile.py {' '.join(sys.argv[1:])}", ""]
-    lines += profile_bare(experiment, plan.runnable[0], plan.precision, plan.use_gpu, args.output)
+    lines = [f"# Start-up profile: {experiment.name}, {point.name}", "",
+             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+             f"- command: python bench/startup_profile.py {' '.join(sys.argv[1:])}", ""]
+    lines += profile_bare(bare_spec(experiment, point, plan, model, args.output), args.output)
     lines += profile_ray(experiment, args.output)
     (args.output / "startup.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
