@@ -39,14 +39,14 @@ def read(paths: list[Path]) -> pd.DataFrame:
 
 
 def spread(values: list[float], f: str) -> str:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    q = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
     return (f"{statistics.median(values):{f}}  (quartiles {q[0]:{f}} .. {q[2]:{f}}, "
             f"range {min(values):{f}} .. {max(values):{f}}, n={len(values)})")
 
 
 def shift(new: list[float], old: list[float]) -> str:
     differences = sorted(a - b for a in new for b in old)
-    deciles = statistics.quantiles(differences, n=10) if len(differences) > 1 else differences * 9
+    deciles = statistics.quantiles(differences, n=10, method="inclusive") if len(differences) > 1 else differences * 9
     return f"{statistics.median(differences):+.3f}  (10th-90th percentile {deciles[0]:+.3f} .. {deciles[-1]:+.3f})"
 
 
