@@ -26,7 +26,10 @@ BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 # cuBLAS and cuBLASLt workspaces that torch allocates through its caching allocator at the first matmul:
 # 64 MiB, measured on an H200 with torch 2.11. Zero on CPU.
 CUDA_WORKSPACE_BYTES = 64 * 1024 ** 2
-CHECKED = "checked on H200 (fp16, stages 0-1, 806 M preset, within 1%)"
+CHECKED = "checked on H200 (fp16, stages 0-1, 1-2 GPUs, 806 M preset, within 1%)"
+CHECKED_ONE_GPU = "checked on 1 H200 (806 M preset, within 1%)"
+"""Where the DeepSpeed formula met a GPU: fp16 stages 0-1 on 1 and 2 H200s; fp16 stages 2-3 and bf16
+stages 0-3 on one (results/large_*-h200)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,11 @@ def deepspeed(params: int, stage: int, num_workers: int, precision: str, *, offl
     """
     n, low, psi = num_workers, BYTES[precision], float(params)
     bucket = 0.0 if stage == 0 else float(low * reduce_bucket_size)
-    basis = CHECKED if precision == "fp16" and stage in (0, 1) and offload == "none" else "unchecked"
+    basis = "unchecked"
+    if offload == "none" and precision == "fp16" and stage in (0, 1):
+        basis = CHECKED
+    elif offload == "none" and precision in ("fp16", "bf16") and (n == 1 or stage in (0, 1, 2) and precision == "fp16"):
+        basis = CHECKED_ONE_GPU if n == 1 else "unchecked"
     if stage == 0:
         if precision == "fp16":
             parts = dict(parameter_bytes=2 * psi, gradient_bytes=2 * psi, master_param_bytes=4 * psi,
@@ -129,9 +136,11 @@ def deepspeed(params: int, stage: int, num_workers: int, precision: str, *, offl
         transient = (low + (4 if precision != "fp32" else 0)) * psi / n
         parts = dict(parameter_bytes=low * psi, gradient_bytes=low * psi / n, master_param_bytes=4 * psi / n,
                      optimizer_state_bytes=8 * psi / n, step_transient_bytes=transient)
-    else:  # the paper's split, with an fp32 master partition in fp32 training too (DeepSpeed keeps one)
+    else:  # the paper's split, with an fp32 master partition in fp32 training too (DeepSpeed keeps one);
+        # its step peaks 8 bytes per parameter (of this rank's partition) above the states, as stage 0's
+        # (measured at 1 GPU, fp16 and bf16: 24.2 bytes per parameter at the peak).
         parts = dict(parameter_bytes=low * psi / n, gradient_bytes=low * psi / n, master_param_bytes=4 * psi / n,
-                     optimizer_state_bytes=8 * psi / n)
+                     optimizer_state_bytes=8 * psi / n, step_transient_bytes=(8 if precision != "fp32" else 4) * psi / n)
     if offload != "none":  # in CPU memory: not on the device
         parts.update(master_param_bytes=0.0, optimizer_state_bytes=0.0, step_transient_bytes=0.0)
     return Prediction("deepspeed", bucket_bytes=bucket, basis=basis, **parts)

@@ -198,9 +198,13 @@ def _preset(name, config, seq_len, input_shape, num_classes) -> _Built:
 
 
 def _hf(model_type, config, seq_len, input_shape, num_classes, counting) -> _Built:
-    from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS,
-                                                        MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES as IMAGE_CLS)
+    try:
+        from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification
+        from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL_LMS,
+                                                            MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES as IMAGE_CLS)
+    except ImportError as error:
+        raise ModelError(f"hf: models need the transformers package, which did not import ({_one_line(error)}); "
+                         "pip install -r requirements.txt") from None
 
     source = f"hf:{model_type}"
     if model_type not in CONFIG_MAPPING:
@@ -276,7 +280,11 @@ def _hf_checkpointing(module: nn.Module) -> None:
 
 
 def _timm(name, config, seq_len, input_shape, num_classes) -> _Built:
-    import timm
+    try:
+        import timm
+    except ImportError as error:
+        raise ModelError(f"timm: models need the timm package, which did not import ({_one_line(error)}); "
+                         "pip install -r requirements.txt") from None
 
     source = f"timm:{name}"
     _refuse(source, "seq_len is for causal LMs", seq_len=seq_len)

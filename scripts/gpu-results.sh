@@ -2,7 +2,7 @@
 # BUDGET seconds (default 500) and leaves one tarball in $OUT, whatever finished.
 #   bash scripts/gpu-results.sh 1   # public-API path: the tutorial's experiment, the 806 M model at stages
 #                                   # 0-3 in fp16 and bf16, GPT-2 small (calibrated) in fp16
-#   bash scripts/gpu-results.sh 2   # the 1.1 B Llama in bf16, the engines, offload, GPT-2 in bf16
+#   bash scripts/gpu-results.sh 2   # GPT-2 (calibrated) in fp16, the 1.1 B Llama in bf16, the engines, offload
 # GPUS=2 adds the 2-GPU points where the machine has them.
 set -u
 source scripts/gpu-env.sh
@@ -22,7 +22,8 @@ case "${1:-1}" in
      run large_fp16-h200 sweep experiments/memory_scaling.yaml --set 'grid.stage=[0,1,2,3]' --set "grid.num_workers=$WORKERS" --set steps=20
      run large_bf16-h200 sweep experiments/memory_scaling.yaml --set precision=bf16 --set 'grid.stage=[0,1,2,3]' --set "grid.num_workers=$WORKERS" --set steps=20
      run gpt2_fp16-h200 sweep experiments/gpt2_zero.yaml --set "grid.num_workers=$WORKERS" --set steps=20 ;;
-  2) run llama_1b_bf16-h200 sweep experiments/llama_1b.yaml --set "grid.num_workers=$WORKERS" --set steps=12
+  2) run gpt2_fp16-h200 sweep experiments/gpt2_zero.yaml --set "grid.num_workers=$WORKERS" --set steps=15 --set 'grid.micro_batch_size=[4,16]'
+     run llama_1b_bf16-h200 sweep experiments/llama_1b.yaml --set "grid.num_workers=$WORKERS" --set steps=12
      run engines_large-h200 sweep experiments/engines_large.yaml --set "grid.num_workers=$WORKERS"
      run offload_large-h200 sweep experiments/offload_large.yaml --set "grid.num_workers=$WORKERS"
      run gpt2_bf16-h200 sweep experiments/gpt2_zero.yaml --set precision=bf16 --set "grid.num_workers=$WORKERS" --set steps=20 ;;
