@@ -107,7 +107,8 @@ def rerender(output_dir: Path) -> pd.DataFrame:
     if not rows:
         raise FileNotFoundError(f"{output_dir}: no trials.jsonl here (give the --output folder of a sweep)")
     saved = read_experiment_file(output_dir)
-    experiment, calibration = saved.get("experiment") or {}, read_calibration(output_dir)
+    experiment = saved.get("experiment") or {}
+    calibration = _recalibrate(output_dir, rows, experiment) or read_calibration(output_dir)
     for row in rows:
         if row.get("per_rank"):
             row.update(aggregate_ranks(row["per_rank"]))
@@ -116,6 +117,20 @@ def rerender(output_dir: Path) -> pd.DataFrame:
     frame = write_results(output_dir, rows, saved.get("provenance"))
     write_pages(output_dir, frame)
     return frame
+
+
+def _recalibrate(output_dir: Path, rows: list[dict], experiment: dict) -> dict | None:
+    """calibration.json again from the calibration trials' rows, with this version's arithmetic."""
+    from ray_zero.calibration import write_calibration
+    from ray_zero.experiment_file import validate_experiment
+
+    measured = [row for row in rows if str(row.get("trial", "")).endswith("_calibration")]
+    if not measured:
+        return None
+    for row in measured:
+        row.update(aggregate_ranks(row.get("per_rank") or []))
+    return write_calibration(output_dir, validate_experiment(experiment, source=str(output_dir)), measured,
+                             measured[0].get("memory_kind") == "cuda", measured[0].get("precision"))
 
 
 def write_pages(output_dir: Path, frame: pd.DataFrame) -> None:

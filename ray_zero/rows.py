@@ -83,7 +83,7 @@ def trial_row(spec) -> dict[str, Any]:
     """What is known of a trial (a config.TrialSpec) before it runs: its grid point and settings."""
     experiment, point = spec.experiment, spec.point
     return {
-        "trial": point.name, "backend": point.backend, "stage": point.stage,
+        "trial": spec.name, "backend": point.backend, "stage": point.stage,
         "micro_batch_size": point.micro_batch_size, "num_workers": point.num_workers,
         "activation_checkpointing": point.activation_checkpointing, "offload_optimizer": point.offload_optimizer,
         "precision": spec.precision, "model": experiment.model, "params": spec.model.params,
