@@ -105,6 +105,7 @@ def train_loop(config: dict[str, Any]) -> None:
 
     metrics = train(spec, rank, world_size, device, attempt=attempt, on_progress=publish, diagnostics=diagnostics)
     metrics["node_id"] = ray.get_runtime_context().get_node_id()
+    metrics["pid"] = os.getpid()  # the rank's process, as the Ray dashboard lists it
     if diagnostics:
         metrics["diagnostics"] = diagnostics.result()
     publish(metrics["steps"], {"loss": metrics["loss_last"], "samples_per_s": metrics["samples_per_s"],
