@@ -24,7 +24,7 @@ COLUMNS = [
 """results.csv, in this order. memory_kind says what the memory columns are: cuda (the CUDA allocator's
 peak, per rank) or cpu_rss (each worker process's peak resident set, Python, torch and Ray included)."""
 PER_RANK_COLUMNS = [
-    "trial", "rank", "attempt", "node_id", "pid", "device_name", "device_memory_gib", "memory_kind",
+    "trial", "rank", "attempt", "node_id", "device_name", "device_memory_gib", "memory_kind",
     "memory_after_model_gib", "memory_after_data_gib", "memory_after_initialize_gib",
     "memory_after_first_backward_gib", "memory_after_first_step_gib",
     "peak_allocated_gib", "peak_reserved_gib", "timed_peak_allocated_gib", "nvml_used_gib",

@@ -14,6 +14,7 @@ import pandas as pd
 import psutil
 
 from ray_zero.experiment_file import load_experiment
+from ray_zero.store import load_trials
 from ray_zero.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,8 +95,9 @@ def test_worker_killed_from_outside_as_it_starts_is_retried(ray_instance, tmp_pa
     # with its own controller actor, released the failed group's CPU: one group placed above). Only
     # attempts whose ranks began training are counted.
     assert row["status"] == "ok" and row["attempts"] >= 1
-    ranks = pd.read_csv(tmp_path / "per_rank.csv")
-    assert victim.pid not in set(ranks["pid"])  # the report came from the retried worker
+    # The report came from the retried worker (trials.jsonl keeps each rank's pid; per_rank.csv does not).
+    ranks = [rank for record in load_trials(tmp_path) for rank in record["per_rank"]]
+    assert ranks and victim.pid not in {rank["pid"] for rank in ranks}
 
 
 def test_interrupted_sweep_resumes_running_only_unfinished_trials(tmp_path):
