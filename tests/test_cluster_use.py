@@ -1,7 +1,9 @@
-"""Where users run it: `ray start --head` + `ray job submit`, live metrics on the node's Prometheus
-endpoint, `--address auto`, and a two-node cluster whose 2-worker trial is SPREAD over both nodes.
+"""Where users run it: a two-node cluster (`ray start --head`, `ray start --address`), a sweep submitted
+with `ray job submit` that joins it with `--address auto`, its 2-worker trial SPREAD over both nodes,
+live metrics on the nodes' Prometheus endpoints, and the run state in a storage path. One cluster and one
+job for all of it: each cluster and each trial costs tens of seconds on the 2-core machine.
 
-Each cluster has its own ports and temp dir and is torn down (its processes killed) also when a test fails.
+The cluster has its own ports and temp dir and is torn down (its processes killed) also when the test fails.
 """
 from __future__ import annotations
 
@@ -55,25 +57,30 @@ def _ray(*args: str, **kwargs) -> subprocess.CompletedProcess:
 def local_cluster(extra_nodes: int = 0, cpus_per_node: int = 2):
     """`ray start --head` (and `ray start --address` for each extra node); killed on exit."""
     temp = tempfile.mkdtemp(prefix="rz", dir="/tmp")  # short: Ray's socket paths must stay short
+    # Each node its own temp dir, as on separate machines: nodes sharing one also share its runtime_resources,
+    # and the second node's runtime-env agent deleted the job's working_dir (the driver's cwd) when its
+    # workers finished.
+    node_temps = [tempfile.mkdtemp(prefix="rz", dir="/tmp") for _ in range(extra_nodes)]
     ports = iter(_free_ports(8 + 4 * extra_nodes))
-    port, dashboard, metrics = next(ports), next(ports), next(ports)
+    port, dashboard, metrics = next(ports), next(ports), [next(ports)]
     try:
         head = _ray("start", "--head", f"--port={port}", f"--dashboard-port={dashboard}",
-                    "--dashboard-host=127.0.0.1", f"--metrics-export-port={metrics}", f"--num-cpus={cpus_per_node}",
+                    "--dashboard-host=127.0.0.1", f"--metrics-export-port={metrics[0]}", f"--num-cpus={cpus_per_node}",
                     f"--temp-dir={temp}", f"--ray-client-server-port={next(ports)}", *_agent_ports(ports),
                     "--resources={\"node_head\": 1}")
         assert head.returncode == 0, head.stdout + head.stderr
         for index in range(extra_nodes):
-            node = _ray("start", f"--address=127.0.0.1:{port}", f"--num-cpus={cpus_per_node}",
-                        f"--metrics-export-port={next(ports)}", *_agent_ports(ports),
+            metrics.append(next(ports))
+            node = _ray("start", f"--address=127.0.0.1:{port}", f"--num-cpus={cpus_per_node}", f"--temp-dir={node_temps[index]}",
+                        f"--metrics-export-port={metrics[-1]}", *_agent_ports(ports),
                         f"--resources={{\"node_{index}\": 1}}")
             assert node.returncode == 0, node.stdout + node.stderr
         yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}",
-               "metrics": f"http://127.0.0.1:{metrics}/metrics"}
+               "metrics": [f"http://127.0.0.1:{m}/metrics" for m in metrics]}
     finally:
         # Not `ray stop`: that would stop every Ray on the machine, the test session's own too. This
         # cluster's processes name its temp dir or its GCS port; their children go with them.
-        marks = (temp, f":{port}")
+        marks = (temp, *node_temps, f":{port}")
         mine = {p for p in psutil.process_iter(["cmdline"])
                 if any(m in a for a in p.info["cmdline"] or [] for m in marks)}
         for process in list(mine):
@@ -87,7 +94,8 @@ def local_cluster(extra_nodes: int = 0, cpus_per_node: int = 2):
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(list(mine), timeout=30)
-        shutil.rmtree(temp, ignore_errors=True)  # its logs and sockets: a few MB per cluster, kept otherwise
+        for folder in (temp, *node_temps):  # their logs and sockets: a few MB per cluster, kept otherwise
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _zero_metrics(url: str) -> list[str]:
@@ -98,16 +106,19 @@ def _zero_metrics(url: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("ray_zero_")]
 
 
-def test_job_submission_with_live_dashboard_metrics(tmp_path):
-    output = tmp_path / "job"
-    with local_cluster() as cluster:
+def test_submitted_job_joins_a_two_node_cluster_spreads_its_trial_and_exports_live_metrics(tmp_path):
+    output, storage = tmp_path / "job", tmp_path / "shared"
+    with local_cluster(extra_nodes=1, cpus_per_node=1) as cluster:
         excludes = json.dumps({"excludes": [".whl", "runs", "data", ".git", "results", "bench/results"]})
+        # Each node has 1 CPU: the 2-worker trial can only run with one worker per node; 3 workers do not fit.
+        sweep = ["python", "-m", "ray_zero", "sweep", "experiments/quick.yaml", "--address", "auto",
+                 "--set", "steps=100", "--set", "grid.stage=[1]", "--set", "grid.num_workers=[2,3]",
+                 "--set", "runtime.placement_strategy=SPREAD", "--set", f"runtime.storage_path=file://{storage}",
+                 "--output", str(output)]
         ready_by = time.time() + 60
         while True:  # right after `ray start` the job agent may not be up yet: it says "try again"
             submit = _ray("job", "submit", f"--address={cluster['dashboard']}", "--no-wait", "--working-dir", ".",
-                          f"--runtime-env-json={excludes}", "--", "python", "-m", "ray_zero", "sweep",
-                          "experiments/quick.yaml", "--set", "steps=100", "--set", "grid.num_workers=[2]", "--set", "grid.stage=[1]",
-                          "--output", str(output), cwd=ROOT)
+                          f"--runtime-env-json={excludes}", "--", *sweep, cwd=ROOT)
             if "No available agent" not in submit.stderr or time.time() > ready_by:
                 break
             time.sleep(1)
@@ -118,7 +129,8 @@ def test_job_submission_with_live_dashboard_metrics(tmp_path):
         deadline = time.time() + 400
         asked_at = 0.0
         while time.time() < deadline:
-            seen += [line for line in _zero_metrics(cluster["metrics"]) if "samples_per_s" in line]
+            for url in cluster["metrics"]:
+                seen += [line for line in _zero_metrics(url) if "samples_per_s" in line]
             # Every 5 s: each `ray job status` is a new Python process, about a core-second taken from
             # the 2 CPUs that the job's two workers train on.
             if time.time() - asked_at >= 5:
@@ -130,23 +142,6 @@ def test_job_submission_with_live_dashboard_metrics(tmp_path):
         logs = _ray("job", "logs", f"--address={cluster['dashboard']}", job_id).stdout
         assert "succeeded" in status, logs[-3000:]
     assert "ray_zero: Ray dashboard at http://127.0.0.1" in logs
-    table = pd.read_csv(output / "results.csv")
-    assert len(table) == 1 and (table["status"] == "ok").all() and (table["num_workers"] == 2).all()
-    # Live gauges, tagged per trial and rank, reached the node's Prometheus export during the run.
-    assert any('rank="1"' in line and 'stage="1"' in line and 'trial="stage1_mb64_w2"' in line for line in seen), seen[:3]
-
-
-def test_two_node_cluster_spreads_a_trial_and_address_auto_joins(tmp_path):
-    output = tmp_path / "spread"
-    storage = tmp_path / "shared"
-    with local_cluster(extra_nodes=1, cpus_per_node=1):
-        # Each node has 1 CPU: a 2-worker trial can only run with one worker per node.
-        done = subprocess.run(
-            [sys.executable, "-m", "ray_zero", "sweep", "experiments/quick.yaml", "--address", "auto",
-             "--set", "steps=4", "--set", "grid.stage=[1]", "--set", "grid.num_workers=[2,3]",
-             "--set", "runtime.placement_strategy=SPREAD", "--set", f"runtime.storage_path=file://{storage}",
-             "--output", str(output)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     table = pd.read_csv(output / "results.csv").set_index("num_workers")
     assert table.loc[2, "status"] == "ok" and table.loc[3, "status"] == "skipped"
     assert "has room for 2" in table.loc[3, "error"]
@@ -154,3 +149,5 @@ def test_two_node_cluster_spreads_a_trial_and_address_auto_joins(tmp_path):
     assert len(ranks) == 2 and ranks["node_id"].nunique() == 2  # one worker on each node, over gloo
     assert (storage / "tune").is_dir() and (storage / "train").is_dir()  # run state went to the storage path
     assert (storage / "results" / "results.csv").is_file()  # and the tables too
+    # Live gauges, tagged per trial and rank, reached a node's Prometheus export during the run.
+    assert any('rank="1"' in line and 'stage="1"' in line and 'trial="stage1_mb64_w2"' in line for line in seen), seen[:3]
