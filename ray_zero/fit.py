@@ -107,6 +107,12 @@ class FitSearcher(Searcher):
     def set_search_properties(self, metric, mode, config, **spec) -> bool:
         return True  # the searches hold everything; there is no metric to optimise
 
+    def save(self, checkpoint_path: str) -> None:
+        """Nothing to save: a resumed fit rebuilds its searches from the probes' rows (trials.jsonl)."""
+
+    def restore(self, checkpoint_path: str) -> None:
+        """See save."""
+
     def _busy(self, key: Point) -> bool:
         return any(k == key for k, _ in self.in_flight.values())
 
