@@ -22,10 +22,9 @@ from ray.tune.search import Searcher
 from ray_zero.config import ConfigError, Experiment, Point
 from ray_zero.fit_search import BracketSearch, Steps
 from ray_zero.memory_model import GIB, predict_point
-from ray_zero.report import markdown_table
-from ray_zero.store import atomic_write, load_trials
 from ray_zero import calibration
-from ray_zero.report import read_calibration
+from ray_zero.report import markdown_table, read_calibration
+from ray_zero.store import atomic_write, load_trials
 from ray_zero.sweep import Session, SweepIncomplete, calibrate
 from ray_zero.trial import trial_config
 

@@ -119,8 +119,8 @@ def deepspeed(params: int, stage: int, num_workers: int, precision: str, *, offl
     basis = "unchecked"
     if offload == "none" and precision == "fp16" and stage in (0, 1):
         basis = CHECKED
-    elif offload == "none" and precision in ("fp16", "bf16") and (n == 1 or stage in (0, 1, 2) and precision == "fp16"):
-        basis = CHECKED_ONE_GPU if n == 1 else "unchecked"
+    elif offload == "none" and precision in ("fp16", "bf16") and n == 1:
+        basis = CHECKED_ONE_GPU
     if stage == 0:
         if precision == "fp16":
             parts = dict(parameter_bytes=2 * psi, gradient_bytes=2 * psi, master_param_bytes=4 * psi,
