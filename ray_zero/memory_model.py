@@ -28,6 +28,9 @@ BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 CUDA_WORKSPACE_BYTES = 64 * 1024 ** 2
 CHECKED = "checked on H200 (fp16, stages 0-1, 1-2 GPUs, 806 M preset, within 1%)"
 CHECKED_ONE_GPU = "checked on 1 H200 (806 M preset, within 1%)"
+OFFLOAD_CHECKED = ("checked on 1 H200 (806 M preset, fp16): the backward's transients are not counted "
+                   "(measured 1.10x the prediction at stage 2, 1.20x at stage 1)")
+ENGINE_CHECKED = "checked on 1 H200 (806 M preset, fp16, within 1%)"
 """Where the DeepSpeed formula met a GPU: fp16 stages 0-1 on 1 and 2 H200s; fp16 stages 2-3 and bf16
 stages 0-3 on one (results/large_*-h200)."""
 
@@ -103,9 +106,10 @@ def deepspeed(params: int, stage: int, num_workers: int, precision: str, *, offl
 
     Stage 0, fp16 (FP16_Optimizer): fp16 params and grads, a flat fp32 master, Adam's two states; its step
     makes an fp32 copy of every gradient and then a flat fp32 gradient: 8Ψ of temporaries, which is why
-    stage 0 peaks near 24 bytes per parameter, not 16. bf16 (BF16_Optimizer): bf16 params and grads, a flat
-    fp32 gradient accumulator, fp32 master. fp32: torch AdamW on the module's own parameters, whose foreach
-    step needs one fp32 temporary.
+    stage 0 peaks near 24 bytes per parameter, not 16. bf16 takes the same optimizer (DDP_BFLOAT16: with
+    gradients accumulated in bf16, DeepSpeed's default, there is no fp32 accumulator; GPT-2 and the 1.1 B
+    Llama measured the fp16 bytes in every phase on one H200). fp32: torch AdamW on the module's own
+    parameters, whose foreach step needs one fp32 temporary.
     Stages 1 and 2 (DeepSpeedZeroOptimizer) both reduce gradients into this rank's partition, so in 0.19.8
     stage 1 holds what stage 2 holds: full low-precision params, a low-precision gradient partition, the
     fp32 master partition and Adam's states, and in the step a flat copy of the gradient partition and
@@ -122,12 +126,9 @@ def deepspeed(params: int, stage: int, num_workers: int, precision: str, *, offl
     elif offload == "none" and precision in ("fp16", "bf16") and n == 1:
         basis = CHECKED_ONE_GPU
     if stage == 0:
-        if precision == "fp16":
+        if precision in ("fp16", "bf16"):
             parts = dict(parameter_bytes=2 * psi, gradient_bytes=2 * psi, master_param_bytes=4 * psi,
                          optimizer_state_bytes=8 * psi, step_transient_bytes=8 * psi)
-        elif precision == "bf16":
-            parts = dict(parameter_bytes=2 * psi, gradient_bytes=(2 + 4) * psi, master_param_bytes=4 * psi,
-                         optimizer_state_bytes=8 * psi, step_transient_bytes=4 * psi)
         else:
             parts = dict(parameter_bytes=4 * psi, gradient_bytes=4 * psi, master_param_bytes=0.0,
                          optimizer_state_bytes=8 * psi, step_transient_bytes=4 * psi)
@@ -141,8 +142,13 @@ def deepspeed(params: int, stage: int, num_workers: int, precision: str, *, offl
         # (measured at 1 GPU, fp16 and bf16: 24.2 bytes per parameter at the peak).
         parts = dict(parameter_bytes=low * psi / n, gradient_bytes=low * psi / n, master_param_bytes=4 * psi / n,
                      optimizer_state_bytes=8 * psi / n, step_transient_bytes=(8 if precision != "fp32" else 4) * psi / n)
-    if offload != "none":  # in CPU memory: not on the device
-        parts.update(master_param_bytes=0.0, optimizer_state_bytes=0.0, step_transient_bytes=0.0)
+    if offload != "none":
+        # In CPU memory, not on the device: the master, Adam's states, the step, and (measured on one H200,
+        # 806 M preset: +0.06 GiB over the first backward) the gradient partition, which each reduce copies
+        # to an fp32 host buffer. The backward's transients above the saved activations are not counted
+        # (+0.2 GiB at stage 2, +0.5 GiB at stage 1 on that model, where they set the peak).
+        parts.update(gradient_bytes=0.0, master_param_bytes=0.0, optimizer_state_bytes=0.0, step_transient_bytes=0.0)
+        basis = OFFLOAD_CHECKED if precision == "fp16" and n == 1 and stage in (1, 2) else "unchecked"
     return Prediction("deepspeed", bucket_bytes=bucket, basis=basis, **parts)
 
 
@@ -154,10 +160,12 @@ def torch_zero(params: int, stage: int, num_workers: int, precision: str) -> Pre
     micro-batch's activations live, and the foreach step's fp32 temporary of the states it steps."""
     n, psi = num_workers, float(params)
     share = 1.0 / n if stage == 1 else 1.0
+    # DDP allocates its buckets at any world size: one H200 measured +3.0 GiB (4Ψ) at the wrap, 18.08 GiB peak.
     return Prediction("torch_zero", parameter_bytes=4 * psi, gradient_bytes=4 * psi, master_param_bytes=0.0,
-                      optimizer_state_bytes=8 * psi * share, bucket_bytes=4 * psi if n > 1 else 0.0,
+                      optimizer_state_bytes=8 * psi * share, bucket_bytes=4 * psi,
                       step_transient_bytes=4 * psi * share,
-                      compute_bytes=2 * psi if precision != "fp32" else 0.0)
+                      compute_bytes=2 * psi if precision != "fp32" else 0.0,
+                      basis=ENGINE_CHECKED if n == 1 and precision == "fp16" else "unchecked")
 
 
 def fsdp(params: int, stage: int, num_workers: int, precision: str, largest_block_params: float) -> Prediction:
@@ -168,7 +176,8 @@ def fsdp(params: int, stage: int, num_workers: int, precision: str, largest_bloc
     gathered = low * psi if stage == 2 else 2 * low * largest_block_params
     return Prediction("fsdp", parameter_bytes=4 * psi / n, gradient_bytes=4 * psi / n, master_param_bytes=0.0,
                       optimizer_state_bytes=8 * psi / n, step_transient_bytes=4 * psi / n,
-                      compute_bytes=gathered if n > 1 else 0.0)
+                      compute_bytes=gathered if n > 1 else 0.0,
+                      basis=ENGINE_CHECKED if n == 1 and precision == "fp16" else "unchecked")
 
 
 def engine_prediction(backend: str, params: int, stage: int, num_workers: int, precision: str, *,

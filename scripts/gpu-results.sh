@@ -3,6 +3,8 @@
 #   bash scripts/gpu-results.sh 1   # public-API path: the tutorial's experiment, the 806 M model at stages
 #                                   # 0-3 in fp16 and bf16, GPT-2 small (calibrated) in fp16
 #   bash scripts/gpu-results.sh 2   # GPT-2 (calibrated) in fp16, the 1.1 B Llama in bf16, the engines, offload
+#   bash scripts/gpu-results.sh 3   # PyTorch's ZeRO-1 and FSDP2 (+- checkpointing) and DeepSpeed's optimizer offload
+#   bash scripts/gpu-results.sh 4   # GPT-2 in bf16 and the 1.1 B Llama in fp16 (each calibrated)
 # GPUS=2 adds the 2-GPU points where the machine has them.
 set -u
 source scripts/gpu-env.sh
@@ -27,5 +29,11 @@ case "${1:-1}" in
      run engines_large-h200 sweep experiments/engines_large.yaml --set "grid.num_workers=$WORKERS"
      run offload_large-h200 sweep experiments/offload_large.yaml --set "grid.num_workers=$WORKERS"
      run gpt2_bf16-h200 sweep experiments/gpt2_zero.yaml --set precision=bf16 --set "grid.num_workers=$WORKERS" --set steps=20 ;;
+  3) run engines_torch_fsdp-h200 sweep experiments/engines_large.yaml --set "grid.num_workers=$WORKERS" \
+       --set 'grid.backend=[torch_zero,fsdp]' --set 'grid.stage=[1,2,3]' --set steps=15
+     run offload_large-h200 sweep experiments/offload_large.yaml --set "grid.num_workers=$WORKERS" ;;
+  4) run gpt2_bf16-h200 sweep experiments/gpt2_zero.yaml --set precision=bf16 --set "grid.num_workers=$WORKERS" \
+       --set steps=15 --set 'grid.micro_batch_size=[4,16]'
+     run llama_1b_fp16-h200 sweep experiments/llama_1b.yaml --set precision=fp16 --set "grid.num_workers=$WORKERS" --set steps=12 ;;
 esac
 cd $R && tar czf $OUT/results-$1.tgz --exclude='tune*' --exclude='train' . ; echo "done at $(( $(date +%s) - START )) s"
