@@ -65,12 +65,25 @@ def memory_note(frame: pd.DataFrame) -> str:
     return "Memory columns: peak CUDA allocated on GPU rows, peak resident set on CPU rows."
 
 
+def prediction_notes(frame: pd.DataFrame) -> list[str]:
+    """What each prediction rests on (`prediction`), with its trials: where a formula was checked, and
+    which component it is known to miss."""
+    if "prediction" not in frame or not len(frame):
+        return []
+    rows = frame[frame["status"] == "ok"].dropna(subset=["prediction"])
+    groups = rows.groupby("prediction", sort=False)["trial"].apply(list)
+    if groups.empty:
+        return []
+    return ["Predictions:", ""] + [f"- {basis}: {', '.join(trials)}" for basis, trials in groups.items()] + [""]
+
+
 def render_markdown(frame: pd.DataFrame, provenance: dict[str, Any] | None) -> str:
     title = (provenance or {}).get("experiment", "sweep")
     parts = [f"# {title}: results", ""]
     if provenance:
         parts += [f"- {key}: {value}" for key, value in provenance.items() if key != "experiment"] + [""]
     parts += [memory_note(frame), "", markdown_table(frame), ""]
+    parts += prediction_notes(frame)
     failures = frame[frame["status"].isin(["oom", "failed", "skipped"])] if len(frame) else frame
     if len(failures):
         parts += ["Not ok:", ""] + [f"- {r.trial}: {r.status}: {r.error}" for r in failures.itertuples()] + [""]
