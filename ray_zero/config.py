@@ -304,6 +304,11 @@ class Experiment(_Strict):
     def global_batch(self, micro_batch_size: int, num_workers: int) -> int:
         return micro_batch_size * self.gradient_accumulation_steps * num_workers
 
+    def probe(self, steps: int = 3) -> "Experiment":
+        """The same experiment cut to a few steps (one of warm-up): the peak comes with the first optimizer
+        steps, so calibration and fit's probes measure it on this."""
+        return self.model_copy(update={"steps": steps, "warmup_steps": 1, "epochs": None})
+
     def with_absolute_paths(self) -> "Experiment":
         """data_dir resolved where the sweep starts: Ray workers run in other working directories."""
         return self.model_copy(update={"data_dir": str(Path(self.data_dir).expanduser().resolve())})

@@ -175,7 +175,7 @@ def run_fit(experiment: Experiment, output_dir: Path, model, settings: FitSettin
         largest = min(settings.max_micro_batch, max(sizes)) if len(sizes) > 1 else settings.max_micro_batch
         steps = Steps(settings.granularity, largest)
         probe_steps = min(PROBE_STEPS, session.experiment.steps or PROBE_STEPS)
-        probe = session.experiment.model_copy(update={"steps": probe_steps, "warmup_steps": 1, "epochs": None})
+        probe = session.experiment.probe(probe_steps)
         calibrated = read_calibration(session.output_dir)
         if calibrated is None and calibration.wanted(session.experiment, session.plan.use_gpu):
             calibrated = calibrate(session)

@@ -256,7 +256,7 @@ def calibrate(session: Session, total: Optional[int] = None) -> dict:
     """Two short trials measure the model's activations per sample (ray_zero/calibration.py); their rows
     join the tables, and calibration.json predicts every later row."""
     points = calibration.calibration_points(session.experiment)
-    probe = session.experiment.model_copy(update={"steps": 3, "warmup_steps": 1, "epochs": None})
+    probe = session.experiment.probe()
     specs = [dataclasses.replace(session.spec(p, probe), label="calibration") for p in points]
     print(f"ray_zero: calibrating activations: {len(specs)} trials ({', '.join(s.name for s in specs)})", flush=True)
     session.tuner({"trial": tune.grid_search([trial_config(s) for s in specs])}, total,
