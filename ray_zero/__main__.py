@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _use_cluster_token(address: str | None) -> None:
-    """`ray start --head` turns token authentication on and keeps the token in ~/.ray/auth_token; a client
+    """`ray start --head` turns token authentication on where a token exists (~/.ray/auth_token); a client
     joining it must say so, before Ray is imported (Ray reads RAY_AUTH_MODE once)."""
     joining = address or os.environ.get("RAY_ADDRESS")
     has_token = os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").is_file()

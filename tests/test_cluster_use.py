@@ -64,6 +64,9 @@ def local_cluster(extra_nodes: int = 0, cpus_per_node: int = 2):
     ports = iter(_free_ports(8 + 4 * extra_nodes))
     port, dashboard, metrics = next(ports), next(ports), [next(ports)]
     try:
+        # As docs/clusters.md says: on a machine without a token, `ray start` would leave authentication off.
+        generated = _ray("get-auth-token", "--generate")
+        assert generated.returncode == 0, generated.stderr
         head = _ray("start", "--head", f"--port={port}", f"--dashboard-port={dashboard}",
                     "--dashboard-host=127.0.0.1", f"--metrics-export-port={metrics[0]}", f"--num-cpus={cpus_per_node}",
                     f"--temp-dir={temp}", f"--ray-client-server-port={next(ports)}", *_agent_ports(ports),
