@@ -140,7 +140,11 @@ def _run(args) -> int:
     from ray_zero.report import console_table  # imports Ray only after the input is checked
     from ray_zero.sweep import SweepIncomplete, run_sweep
 
-    options = dict(address=args.address, resume=args.resume is not None, diagnostics=args.diagnostics,
+    from ray_zero.store import read_provenance
+
+    # A resumed sweep keeps what its first run collected: its unfinished trials run with the same --diagnostics.
+    diagnostics = args.diagnostics or bool(args.resume and (read_provenance(output) or {}).get("diagnostics"))
+    options = dict(address=args.address, resume=args.resume is not None, diagnostics=diagnostics,
                    verbose=args.verbose)
     try:
         if args.command == "fit":

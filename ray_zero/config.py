@@ -266,8 +266,13 @@ class Experiment(_Strict):
     """The engine x stage x micro-batch x workers x checkpointing x offload grid."""
     runtime: Runtime = Runtime()
     """How the sweep runs on Ray (CPUs per worker, placement, retries, storage)."""
-    fault: Optional[Fault] = None
-    """Deliberate failure for testing (see Fault)."""
+    fault: list[Fault] = Field(default_factory=list)
+    """Deliberate failures for testing (see Fault): one, or a list (each trial fires those that match it)."""
+
+    @field_validator("fault", mode="before")
+    @classmethod
+    def _one_fault_or_a_list(cls, value: Any) -> Any:
+        return [] if value is None else value if isinstance(value, list) else [value]
 
     @model_validator(mode="after")
     def _consistent(self) -> "Experiment":

@@ -20,7 +20,7 @@ import yaml
 from ray.tune.search import Searcher
 
 from ray_zero.config import ConfigError, Experiment, Point
-from ray_zero.fit_search import BracketSearch, Steps
+from ray_zero.fit_search import BracketSearch, Steps, largest_predicted_to_fit
 from ray_zero.memory_model import GIB, predict_point
 from ray_zero import calibration
 from ray_zero.report import markdown_table, read_calibration
@@ -75,15 +75,7 @@ def first_guess(session: Session, key: Point, budget_gib: float, steps: Steps,
         peak = predict_point(row, calibrated).peak_bytes
         return None if peak is None else peak / GIB
 
-    if predicted(steps.smallest) is None or predicted(steps.smallest) > budget_gib:
-        return None if predicted(steps.smallest) is None else steps.smallest
-    low, high = steps.smallest, steps.smallest
-    while high < steps.largest and predicted(high) <= budget_gib:
-        low, high = high, high * 2
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if predicted(middle) <= budget_gib else (low, middle)
-    return steps.down(low)
+    return largest_predicted_to_fit(predicted, budget_gib, steps)
 
 
 def _row_of(session: Session, point: Point) -> dict[str, Any]:

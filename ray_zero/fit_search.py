@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,29 @@ class Steps:
     @property
     def smallest(self) -> int:
         return self.granularity or 1
+
+
+def largest_predicted_to_fit(predicted: Callable[[int], Optional[float]], budget_gib: float,
+                             steps: Steps) -> Optional[int]:
+    """The largest allowed micro-batch whose predicted peak (GiB, None: unknown) is within the budget:
+    doubling, then bisection. The smallest allowed when even that is over (a probe then says by how much);
+    None when the model cannot predict."""
+    smallest = predicted(steps.smallest)
+    if smallest is None or smallest > budget_gib:
+        return None if smallest is None else steps.smallest
+    low, high = steps.smallest, None
+    while high is None:  # double until over the budget or at the largest allowed
+        larger = min(2 * low, steps.largest)
+        if larger <= low:
+            return steps.down(low)
+        if predicted(larger) <= budget_gib:
+            low = larger
+        else:
+            high = larger
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if predicted(middle) <= budget_gib else (low, middle)
+    return steps.down(low)
 
 
 @dataclass

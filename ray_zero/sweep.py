@@ -186,7 +186,7 @@ class Session:
             dashboard = getattr(context, "dashboard_url", None)
             if dashboard:
                 print(f"ray_zero: Ray dashboard at http://{dashboard}", flush=True)
-            prov = provenance(self.experiment, self.cluster, self.plan, self.command)
+            prov = {**provenance(self.experiment, self.cluster, self.plan, self.command), "diagnostics": self.diagnostics}
             if self.resume:  # the sweep's provenance is the original run's, plus when and how it was resumed
                 prov = {**(read_provenance(self.output_dir) or {}), "resumed": prov["date"], "resume_command": self.command}
             self.provenance = prov

@@ -167,6 +167,9 @@ def run_trial(config: dict[str, Any]) -> None:
     reports, attempts = ray.get(log.take.remote(trial_key))
     row["attempts"] = attempts
     row["wall_s"] = fit_finished_at - fit_started_at
+    # When the trial's run began and ended (trials.jsonl): a trial started early began before the one it
+    # waited for had ended.
+    row["fit_started_at"], row["fit_finished_at"] = fit_started_at, fit_finished_at
     if reports:
         row.update(aggregate_ranks(reports))
         row["per_rank"] = [{"trial": spec.name, **{k: v for k, v in r.items() if k != "diagnostics"}} for r in reports]

@@ -52,8 +52,8 @@ def jit_ops_dir() -> str:
 
 
 def _inject_fault(spec: TrialSpec, rank: int, step: int, attempt: int) -> None:
-    fault = spec.experiment.fault
-    if fault is None or not fault.fires(spec.point, rank, step, attempt):
+    fault = next((f for f in spec.experiment.fault if f.fires(spec.point, rank, step, attempt)), None)
+    if fault is None:
         return
     where = f"rank {rank}, step {step}, attempt {attempt}"
     if fault.kind == "oom":

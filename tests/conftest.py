@@ -1,4 +1,5 @@
-"""One local Ray instance for the whole test session (real Ray, real DeepSpeed, CPU)."""
+"""Fixtures of the two test levels (tests/README.md): `ranks`, the rank-level harness (a rank's function
+under torch.distributed, no Ray), and `ray_instance` / `cli` for the tests whose subject is Ray."""
 from __future__ import annotations
 
 import os
@@ -9,6 +10,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """`ranks(2).row(spec)`: groups of 1 or 2 ranks under gloo, started once for the session
+    (tests/rank_group.py)."""
+    from rank_group import RankGroups
+
+    groups = RankGroups()
+    yield groups
+    groups.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,24 @@
 """End to end on CPU, as a user runs it: `python -m ray_zero sweep experiments/quick.yaml` (real Ray,
-real DeepSpeed, real MNIST digits), its console, its three tiers of tables. Stage 3, the other engines
-and a trial started early: tests/test_engines_sweep.py."""
+real DeepSpeed, real MNIST digits), stopped with Ctrl-C after two trials and finished with `--resume`: its
+console, its three tiers of tables, each trial run exactly once. The other engines and stage 3, at rank
+level: tests/test_worker_engines.py; a trial started early: tests/test_faults.py."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
+from conftest import ROOT
 from ray_zero.rows import COLUMNS
 from ray_zero.worker import jit_ops_dir
 
@@ -21,19 +28,43 @@ REQUIRED = ["stage", "micro_batch_size", "num_workers", "precision", "model", "p
 
 
 @pytest.fixture(scope="module")
-def quick(cli, tmp_path_factory):
-    """The quick grid through the CLI, with --diagnostics: (output folder, the sweep's stdout)."""
+def quick(tmp_path_factory):
+    """The quick grid through the CLI, with --diagnostics, Ctrl-C once two trials are recorded, then
+    `--resume`: (output folder, both runs' stdout, the records of the interrupted run)."""
     output = tmp_path_factory.mktemp("quick") / "out"
-    done = cli("sweep", "experiments/quick.yaml", "--set", "steps=6", "--set", "warmup_steps=2",
-               "--set", f"data_dir={output.parent / 'mnist'}", "--output", str(output), "--diagnostics", timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return output, done.stdout
+    args = [sys.executable, "-m", "ray_zero", "sweep", "experiments/quick.yaml", "--set", "steps=6",
+            "--set", "warmup_steps=2", "--set", f"data_dir={output.parent / 'mnist'}", "--output", str(output),
+            "--diagnostics"]
+    sweep = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    record = output / "trials.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and sweep.poll() is None and not (
+            record.is_file() and record.read_text().count("\n") >= 2):
+        time.sleep(0.5)
+    sweep.send_signal(signal.SIGINT)  # Ctrl-C
+    first_out, first_err = sweep.communicate(timeout=180)
+    assert sweep.returncode == 130, first_out[-3000:] + first_err[-3000:]
+    assert f"sweep --resume {output}" in first_err
+    interrupted = [json.loads(line) for line in record.read_text().splitlines()]
+    resumed = subprocess.run([sys.executable, "-m", "ray_zero", "sweep", "--resume", str(output)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    return output, first_out + resumed.stdout, interrupted
+
+
+def test_interrupted_sweep_resumes_running_only_unfinished_trials(quick):
+    output, _, interrupted = quick
+    assert 2 <= len(interrupted) < 4, [r["trial"] for r in interrupted]
+    lines = [json.loads(line) for line in (output / "trials.jsonl").read_text().splitlines()]
+    assert sorted(r["trial"] for r in lines) == ["stage0_mb64_w1", "stage0_mb64_w2", "stage1_mb64_w1", "stage1_mb64_w2"]
+    assert lines[:len(interrupted)] == interrupted  # every trial exactly once: the finished ones were not run again
+    assert "resumed" in (output / "experiment.yaml").read_text()
 
 
 def test_the_console_is_one_line_per_trial_a_progress_line_and_a_table(quick):
-    _, stdout = quick
+    _, stdout, _ = quick
     lines = stdout.splitlines()
-    assert len(lines) <= 25, stdout
+    assert len(lines) <= 30, stdout  # two runs: each says where Ray and the results are
     trial_lines = [line for line in lines if re.match(r"ray_zero: stage\d_mb64_w\d: ok; loss", line)]
     assert len(trial_lines) == 4
     # On CPU: the resident set for what it is, beside the model states counted and predicted.
@@ -44,10 +75,10 @@ def test_the_console_is_one_line_per_trial_a_progress_line_and_a_table(quick):
 
 
 def test_quick_grid_gives_four_ok_rows_in_at_most_30_columns(quick):
-    output, _ = quick
+    output, _, _ = quick
     table = pd.read_csv(output / "results.csv")
     assert len(table.columns) <= 30 and set(REQUIRED) <= set(table.columns) and list(table.columns) == COLUMNS
-    assert len(table) == 4 and set(table["status"]) == {"ok"}
+    assert len(table) == 4 and set(table["status"]) == {"ok"} and (table["attempts"] == 1).all()
     assert sorted(zip(table["stage"], table["num_workers"])) == [(0, 1), (0, 2), (1, 1), (1, 2)]
     assert table["loss_first"].map(math.isfinite).all() and table["loss_last"].map(math.isfinite).all()
     assert (table["precision"] == "fp32").all() and (table["params"] == 274_698).all()
@@ -62,7 +93,7 @@ def test_quick_grid_gives_four_ok_rows_in_at_most_30_columns(quick):
 
 
 def test_zero1_halves_optimizer_state_per_rank_at_two_workers(quick):
-    output, _ = quick
+    output, _, _ = quick
     state = {(r.stage, r.num_workers): r.optimizer_state_bytes_per_rank_max
              for r in pd.read_csv(output / "results.csv").itertuples()}
     assert abs(state[(1, 2)] / state[(0, 2)] - 0.5) < 0.01
@@ -72,7 +103,7 @@ def test_zero1_halves_optimizer_state_per_rank_at_two_workers(quick):
 
 
 def test_per_rank_file_has_every_rank_and_memory_is_max_over_ranks(quick):
-    output, _ = quick
+    output, _, _ = quick
     table, ranks = pd.read_csv(output / "results.csv"), pd.read_csv(output / "per_rank.csv")
     assert len(ranks) == 1 + 2 + 1 + 2
     for row in table.itertuples():
@@ -88,7 +119,7 @@ def test_per_rank_file_has_every_rank_and_memory_is_max_over_ranks(quick):
 
 
 def test_diagnostics_file_holds_the_host_figures_when_asked(quick):
-    output, _ = quick
+    output, _, _ = quick
     diagnostics = pd.read_csv(output / "diagnostics.csv")
     assert len(diagnostics) == 6
     assert ((diagnostics["model_build_at"] < diagnostics["warmed_up_at"])
@@ -99,14 +130,14 @@ def test_diagnostics_file_holds_the_host_figures_when_asked(quick):
 
 @pytest.mark.skipif("TORCH_EXTENSIONS_DIR" in os.environ, reason="the user chose the JIT build folder")
 def test_ranks_build_deepspeeds_cpu_op_in_this_environments_own_folder(quick):
-    output, _ = quick
+    output, _, _ = quick
     assert set(pd.read_csv(output / "diagnostics.csv")["jit_ops_dir"]) == {jit_ops_dir()}
     build_file = Path(jit_ops_dir()) / "deepspeed_shm_comm" / "build.ninja"
     assert str(Path(torch.__file__).parent / "include") in build_file.read_text()
 
 
 def test_results_markdown_provenance_and_plots(quick):
-    output, _ = quick
+    output, _, _ = quick
     markdown = (output / "results.md").read_text()
     header = next(line for line in markdown.splitlines() if line.startswith("| trial"))
     assert header.count("|") - 1 <= 12 and markdown.count("| ok |") == 4
@@ -118,7 +149,7 @@ def test_results_markdown_provenance_and_plots(quick):
 
 
 def test_report_rerenders_without_ray(quick, cli):
-    output, _ = quick
+    output, _, _ = quick
     (output / "results.md").unlink()
     (output / "memory.png").unlink()
     before = pd.read_csv(output / "results.csv")

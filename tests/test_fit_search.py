@@ -1,0 +1,140 @@
+"""fit's search logic with no trials: `BracketSearch` driven by peaks from tables, its answer checked
+against an exhaustive scan of the same table, and the first guess against the memory model.
+
+The tables: one measured on this 2-core CPU machine (MEASURED, below: every micro-batch of an exhaustive
+sweep), and families of peaks the search must handle (linear, convex, flat then steep, out of memory
+above a size, noisy). fit end to end through Ray Tune: tests/test_fit.py.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from ray_zero.fit_search import BracketSearch, Steps, largest_predicted_to_fit
+from ray_zero.memory_model import GIB, predict_point
+
+# Peak resident set per worker (GiB) of `experiments/fit_gpt2_cpu.yaml` (tiny GPT-2, seq_len 512), DeepSpeed
+# stages 0 and 1, one worker, at every micro-batch from 16 to 192 in steps of 16. Measured on the 2-core CPU
+# machine (AMD EPYC, Python 3.11.7, torch 2.14.1, DeepSpeed 0.19.8, Ray 2.60.0), 2026-12-02, with
+# `python -m ray_zero sweep experiments/fit_gpt2_cpu.yaml --set 'grid.micro_batch_size=[16,32,...,192]'
+# --set 'grid.stage=[0,1]'` (results.csv, peak_allocated_gib_max).
+MEASURED: dict[int, dict[int, float]] = {}
+
+
+def exhaustive_answer(peaks: dict[int, float | None], budget: float) -> int | None:
+    """The largest micro-batch of the table that fits (None: an out-of-memory entry)."""
+    fitting = [m for m, peak in peaks.items() if peak is not None and peak <= budget]
+    return max(fitting) if fitting else None
+
+
+def search(peaks: dict[int, float | None], budget: float, steps: Steps, first_guess: int | None = None,
+           fail_at: int | None = None, per_sample: float | None = None) -> BracketSearch:
+    """Run a search to its end, each probe answered from the table (None there: out of memory), with the
+    activations per sample a probe measures where given."""
+    found = BracketSearch(budget, steps, first_guess)
+    for _ in range(50):
+        micro = found.next_probe()
+        if micro is None:
+            return found
+        assert micro in peaks, f"the search asked for {micro}, not a size the steps allow ({sorted(peaks)})"
+        if micro == fail_at:
+            found.record(micro, "failed", None, error="RuntimeError: injected")
+        elif peaks[micro] is None:
+            found.record(micro, "oom", None)
+        else:
+            found.record(micro, "ok", peaks[micro], per_sample)
+    raise AssertionError(f"no end after 50 probes: {found.probes}")
+
+
+def budgets_between(peaks: dict[int, float | None]) -> list[float]:
+    """A budget midway between every two neighbouring measured peaks, and below and above all of them."""
+    values = sorted(p for p in peaks.values() if p is not None)
+    return [values[0] * 0.9, *((a + b) / 2 for a, b in zip(values, values[1:]) if b > a), values[-1] * 1.1]
+
+
+def tables() -> dict[str, dict[int, float | None]]:
+    sizes = range(16, 16 * 13, 16)
+    noise = random.Random(0)
+    return {
+        "linear": {m: 1.2 + 0.01 * m for m in sizes},
+        "convex": {m: 1.0 + 0.00005 * m * m for m in sizes},
+        "flat then steep": {m: 1.5 if m <= 96 else 1.5 + 0.05 * (m - 96) for m in sizes},
+        "out of memory from 144": {m: (2.0 + 0.02 * m if m < 144 else None) for m in sizes},
+        "noisy": {m: 1.3 + 0.008 * m + noise.uniform(-0.004, 0.004) for m in sizes},
+        **{f"measured, stage {stage}": peaks for stage, peaks in MEASURED.items()},
+    }
+
+
+@pytest.mark.parametrize("name", tables())
+def test_the_search_finds_the_exhaustive_answer_in_few_probes(name):
+    peaks = tables()[name]
+    steps = Steps(granularity=16, largest=max(peaks))
+    for budget in budgets_between(peaks):
+        found = search(peaks, budget, steps)
+        expected = exhaustive_answer(peaks, budget)
+        assert found.answer == expected, (name, budget, found.probes)
+        # Two probes for a first slope, doubling up to a bracket, then the line or halving inside it.
+        assert found.stopped is None and len(found.probes) <= math.ceil(math.log2(len(peaks))) + 3, (name, budget)
+        if expected is not None and expected < max(peaks):  # the answer is bracketed by what was measured
+            above = [p for p in found.probes if p.micro_batch_size == expected + 16]
+            assert above and not above[0].fits, (name, budget, found.probes)
+
+
+def test_a_good_first_guess_saves_probes():
+    peaks = tables()["linear"]
+    steps = Steps(granularity=16, largest=max(peaks))
+    budget = (peaks[112] + peaks[128]) / 2
+    blind, guided = search(peaks, budget, steps), search(peaks, budget, steps, first_guess=112)
+    assert blind.answer == guided.answer == 112 and guided.probes[0].micro_batch_size == 112
+    assert len(guided.probes) < len(blind.probes)
+    # With the activations per sample a probe measures (0.01 GiB here), 112 fits and 128 does not: done.
+    measured = search(peaks, budget, steps, first_guess=112, per_sample=0.01)
+    assert measured.answer == 112 and [p.micro_batch_size for p in measured.probes] == [112, 128]
+
+
+def test_a_failing_probe_ends_its_search_without_an_answer():
+    peaks = tables()["linear"]
+    steps = Steps(granularity=16, largest=max(peaks))
+    found = search(peaks, (peaks[64] + peaks[80]) / 2, steps, fail_at=32)
+    assert found.stopped == "micro-batch 32: failed: RuntimeError: injected"
+    assert found.next_probe() is None and all(p.micro_batch_size != 32 for p in found.probes)
+    assert found.answer in (None, 16)
+
+
+def test_nothing_fits_the_smallest():
+    peaks = tables()["linear"]
+    found = search(peaks, peaks[16] / 2, Steps(granularity=16, largest=max(peaks)))
+    assert found.answer is None and [p.micro_batch_size for p in found.probes] == [16]
+
+
+def test_steps_without_granularity_are_every_size_below_64_then_multiples_of_8():
+    steps = Steps()
+    assert [steps.down(v) for v in (0, 1, 63.9, 64, 71, 72, 1000)] == [1, 1, 63, 64, 64, 72, 1000]
+    assert [steps.up(v) for v in (1, 63, 64, 72)] == [2, 64, 72, 80]
+    assert Steps(granularity=32).down(95) == 64 and Steps(granularity=32).down(3) == 32
+
+
+def _gpu_row(micro: int) -> dict:
+    """A results row of the 806 M preset on one GPU, fp16, DeepSpeed stage 1 (the memory model predicts
+    its activations from the preset's shapes)."""
+    return {"backend": "deepspeed", "stage": 1, "micro_batch_size": micro, "num_workers": 1, "precision": "fp16",
+            "model": "large", "params": 805_888_010, "memory_kind": "cuda", "dataset": "mnist"}
+
+
+@pytest.mark.parametrize("budget", [17.0, 24.0, 40.0, 80.0])
+def test_the_first_guess_is_the_largest_size_the_memory_model_fits(budget):
+    def predicted(micro: int) -> float:
+        return predict_point(_gpu_row(micro)).peak_bytes / GIB
+
+    for steps in (Steps(largest=2048), Steps(granularity=32, largest=4096), Steps(largest=100)):
+        guess = largest_predicted_to_fit(predicted, budget, steps)
+        allowed = [m for m in range(1, steps.largest + 1) if steps.down(m) == m]
+        expected = max((m for m in allowed if predicted(m) <= budget), default=steps.smallest)
+        assert guess == expected, (budget, steps, guess, expected)
+
+
+def test_no_first_guess_where_the_model_cannot_predict():
+    assert largest_predicted_to_fit(lambda micro: None, 10.0, Steps()) is None
+    assert largest_predicted_to_fit(lambda micro: 20.0, 10.0, Steps(granularity=8)) == 8  # over even at the smallest
