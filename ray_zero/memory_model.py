@@ -1,8 +1,12 @@
 """Predicted memory per rank: the ZeRO paper's formula, and what each engine really allocates.
 
 Pure arithmetic on the parameter count Ψ, the number of data-parallel ranks N, the precision and the
-activations of one micro-batch. Every formula is labelled with what it counts and where it was checked
-(`Prediction.basis`; "unchecked" where no GPU has measured it yet):
+activations of one micro-batch; where the parameters' shapes are known (ray_zero/partitions.py, rows
+made by trial_row), on the elements each engine really leaves on its fullest rank instead of Ψ/N:
+frozen parameters, DeepSpeed's padding and ZeRO-3's persistent small parameters, the tensors ZeRO-1/2
+gradient buffers keep whole, ZeroRedundancyOptimizer's whole-tensor split, FSDP2's padded dim 0.
+Every formula is labelled with what it counts and where it was checked (`Prediction.basis`;
+"unchecked" where no GPU has measured it yet):
 
 * `paper`: Rajbhandari et al. 2020, mixed-precision Adam: 2Ψ (fp16 params) + 2Ψ (fp16 grads) + 12Ψ
   (fp32 master 4 + momentum 4 + variance 4); stage 1 divides the 12Ψ by N, stage 2 the gradients too,
@@ -19,9 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ray_zero.partitions import Held, even
 from ray_zero.sizes import PRESETS, SAMPLE_BYTES, ModelPreset
 
 GIB = 1024 ** 3
+HELD_COLUMNS = ("param_elements_per_rank", "gradient_elements_per_rank", "state_elements_per_rank", "trainable_params")
+"""Row fields (trial_row) of what the fullest rank holds, in elements (ray_zero.partitions.Held)."""
 BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 # cuBLAS and cuBLASLt workspaces that torch allocates through its caching allocator at the first matmul:
 # 64 MiB, measured on an H200 with torch 2.11. Zero on CPU.
@@ -101,8 +108,10 @@ def preset_activation_bytes(preset: ModelPreset, micro_batch_size: int, precisio
 
 
 def deepspeed(params: int, stage: int, num_workers: int, precision: str, *, offload: str = "none",
-              reduce_bucket_size: int = 50_000_000) -> Prediction:
-    """What DeepSpeed 0.19.8 allocates per rank with torch Adam(W), activations aside.
+              reduce_bucket_size: int = 50_000_000, held: Optional[Held] = None) -> Prediction:
+    """What DeepSpeed 0.19.8 allocates per rank with torch Adam(W), activations aside. `held`: the
+    elements its fullest rank holds (ray_zero/partitions.py, from the parameters' shapes: frozen ones, the
+    tensors its partitions cut, ZeRO-3's persistent ones); None: an even split, everything trainable.
 
     Stage 0, fp16 (FP16_Optimizer): fp16 params and grads, a flat fp32 master, Adam's two states; its step
     makes an fp32 copy of every gradient and then a flat fp32 gradient: 8Ψ of temporaries, which is why
@@ -111,14 +120,16 @@ def deepspeed(params: int, stage: int, num_workers: int, precision: str, *, offl
     Llama measured the fp16 bytes in every phase on one H200). fp32: torch AdamW on the module's own
     parameters, whose foreach step needs one fp32 temporary.
     Stages 1 and 2 (DeepSpeedZeroOptimizer) both reduce gradients into this rank's partition, so in 0.19.8
-    stage 1 holds what stage 2 holds: full low-precision params, a low-precision gradient partition, the
-    fp32 master partition and Adam's states, and in the step a flat copy of the gradient partition and
-    its fp32 copy (2Ψ + 20Ψ/N at fp16), plus the reduce bucket. With offload the master and Adam's states
-    live in CPU memory and the step runs there. Stage 3: everything /N, as the paper's split, plus an fp32
-    master partition also in fp32 training; parameters under `param_persistence_threshold` (1e5 elements)
-    stay whole on every rank, which this formula leaves out (it matters for small models only).
+    stage 1 holds what stage 2 holds: full low-precision params, a low-precision gradient buffer (the
+    tensors that overlap its partition, whole), the fp32 master partition and Adam's states, and in the
+    step a flat copy of the gradient partition and its fp32 copy (2Ψ + 20Ψ/N at fp16), plus the reduce
+    bucket. With offload the master and Adam's states live in CPU memory and the step runs there.
+    Stage 3: everything /N, as the paper's split, plus an fp32 master partition also in fp32 training;
+    parameters of at most `param_persistence_threshold` (1e5) elements also stay whole on every rank.
+    Frozen parameters are cast and partitioned like the others, with no gradient, master or states.
     """
-    n, low, psi = num_workers, BYTES[precision], float(params)
+    n, low = num_workers, BYTES[precision]
+    h = held or even(params, "deepspeed", stage, n)
     bucket = 0.0 if stage == 0 else float(low * reduce_bucket_size)
     basis = "unchecked"
     if offload == "none" and precision == "fp16" and stage in (0, 1):
@@ -127,21 +138,21 @@ def deepspeed(params: int, stage: int, num_workers: int, precision: str, *, offl
         basis = CHECKED_ONE_GPU
     if stage == 0:
         if precision in ("fp16", "bf16"):
-            parts = dict(parameter_bytes=2 * psi, gradient_bytes=2 * psi, master_param_bytes=4 * psi,
-                         optimizer_state_bytes=8 * psi, step_transient_bytes=8 * psi)
+            parts = dict(parameter_bytes=2 * h.params, gradient_bytes=2 * h.gradients, master_param_bytes=4 * h.states,
+                         optimizer_state_bytes=8 * h.states, step_transient_bytes=8 * h.states)
         else:
-            parts = dict(parameter_bytes=4 * psi, gradient_bytes=4 * psi, master_param_bytes=0.0,
-                         optimizer_state_bytes=8 * psi, step_transient_bytes=4 * psi)
+            parts = dict(parameter_bytes=4 * h.params, gradient_bytes=4 * h.gradients, master_param_bytes=0.0,
+                         optimizer_state_bytes=8 * h.states, step_transient_bytes=4 * h.states)
     elif stage in (1, 2):
         # In fp32 the ".to(fp32)" of the flat gradient is the same tensor: no second copy.
-        transient = (low + (4 if precision != "fp32" else 0)) * psi / n
-        parts = dict(parameter_bytes=low * psi, gradient_bytes=low * psi / n, master_param_bytes=4 * psi / n,
-                     optimizer_state_bytes=8 * psi / n, step_transient_bytes=transient)
+        transient = (low + (4 if precision != "fp32" else 0)) * h.states
+        parts = dict(parameter_bytes=low * h.params, gradient_bytes=low * h.gradients, master_param_bytes=4 * h.states,
+                     optimizer_state_bytes=8 * h.states, step_transient_bytes=transient)
     else:  # the paper's split, with an fp32 master partition in fp32 training too (DeepSpeed keeps one);
         # its step peaks 8 bytes per parameter (of this rank's partition) above the states, as stage 0's
         # (measured at 1 GPU, fp16 and bf16: 24.2 bytes per parameter at the peak).
-        parts = dict(parameter_bytes=low * psi / n, gradient_bytes=low * psi / n, master_param_bytes=4 * psi / n,
-                     optimizer_state_bytes=8 * psi / n, step_transient_bytes=(8 if precision != "fp32" else 4) * psi / n)
+        parts = dict(parameter_bytes=low * h.params, gradient_bytes=low * h.gradients, master_param_bytes=4 * h.states,
+                     optimizer_state_bytes=8 * h.states, step_transient_bytes=(8 if precision != "fp32" else 4) * h.states)
     if offload != "none":
         # In CPU memory, not on the device: the master, Adam's states, the step, and (measured on one H200,
         # 806 M preset: +0.06 GiB over the first backward) the gradient partition, which each reduce copies
@@ -152,42 +163,53 @@ def deepspeed(params: int, stage: int, num_workers: int, precision: str, *, offl
     return Prediction("deepspeed", bucket_bytes=bucket, basis=basis, **parts)
 
 
-def torch_zero(params: int, stage: int, num_workers: int, precision: str) -> Prediction:
-    """DDP (+ ZeroRedundancyOptimizer at stage 1) over fp32 parameters: fp32 params and grads, DDP's
-    gradient buckets (another fp32 copy of the gradients: gradient_as_bucket_view is off), Adam's states
-    (/N at stage 1: ZeroRedundancyOptimizer gives each rank whole parameters, so the split is only about
-    even on a model of many similar tensors), autocast's low-precision weight copies while the
-    micro-batch's activations live, and the foreach step's fp32 temporary of the states it steps."""
+def torch_zero(params: int, stage: int, num_workers: int, precision: str, held: Optional[Held] = None) -> Prediction:
+    """DDP (+ ZeroRedundancyOptimizer at stage 1) over fp32 parameters: fp32 params and grads (of the
+    trainable ones), DDP's gradient buckets (another fp32 copy of the gradients: gradient_as_bucket_view
+    is off), Adam's states (at stage 1 of the whole tensors ZeroRedundancyOptimizer gives the fullest
+    rank, `held.states`; about 1/N on a model of many similar tensors), autocast's low-precision weight
+    copies while the micro-batch's activations live, and the foreach step's fp32 temporary of the states
+    it steps."""
     n, psi = num_workers, float(params)
-    share = 1.0 / n if stage == 1 else 1.0
+    h = held or even(params, "torch_zero", stage, n)
     # DDP allocates its buckets at any world size: one H200 measured +3.0 GiB (4Ψ) at the wrap, 18.08 GiB peak.
-    return Prediction("torch_zero", parameter_bytes=4 * psi, gradient_bytes=4 * psi, master_param_bytes=0.0,
-                      optimizer_state_bytes=8 * psi * share, bucket_bytes=4 * psi,
-                      step_transient_bytes=4 * psi * share,
+    return Prediction("torch_zero", parameter_bytes=4 * h.params, gradient_bytes=4 * h.gradients, master_param_bytes=0.0,
+                      optimizer_state_bytes=8 * h.states, bucket_bytes=4 * h.trainable,
+                      step_transient_bytes=4 * h.states,
                       compute_bytes=2 * psi if precision != "fp32" else 0.0,
                       basis=ENGINE_CHECKED if n == 1 and precision == "fp16" else "unchecked")
 
 
-def fsdp(params: int, stage: int, num_workers: int, precision: str, largest_block_params: float) -> Prediction:
-    """FSDP2: fp32 parameters, gradients and Adam's states sharded N ways; to compute it gathers the
-    parameters in the compute dtype: stage 3 one block at a time (two with prefetch), stage 2 keeps every
-    block gathered from its forward to its backward."""
+def fsdp(params: int, stage: int, num_workers: int, precision: str, largest_block_params: float,
+         held: Optional[Held] = None) -> Prediction:
+    """FSDP2: fp32 parameters, gradients and Adam's states sharded N ways (each tensor's first dimension,
+    padded: `held`); to compute it gathers the parameters in the compute dtype: stage 3 one block at a
+    time (two with prefetch), stage 2 keeps every block gathered from its forward to its backward."""
     n, psi, low = num_workers, float(params), BYTES[precision]
+    h = held or even(params, "fsdp", stage, n)
     gathered = low * psi if stage == 2 else 2 * low * largest_block_params
-    return Prediction("fsdp", parameter_bytes=4 * psi / n, gradient_bytes=4 * psi / n, master_param_bytes=0.0,
-                      optimizer_state_bytes=8 * psi / n, step_transient_bytes=4 * psi / n,
+    return Prediction("fsdp", parameter_bytes=4 * h.params, gradient_bytes=4 * h.gradients, master_param_bytes=0.0,
+                      optimizer_state_bytes=8 * h.states, step_transient_bytes=4 * h.states,
                       compute_bytes=gathered if n > 1 else 0.0,
                       basis=ENGINE_CHECKED if n == 1 and precision == "fp16" else "unchecked")
 
 
 def engine_prediction(backend: str, params: int, stage: int, num_workers: int, precision: str, *,
                       offload: str = "none", reduce_bucket_size: int = 50_000_000,
-                      largest_block_params: Optional[float] = None) -> Prediction:
+                      largest_block_params: Optional[float] = None, held: Optional[Held] = None) -> Prediction:
+    """The engine's prediction; `held` from ray_zero/partitions.py when the parameters' shapes are known."""
     if backend == "deepspeed":
-        return deepspeed(params, stage, num_workers, precision, offload=offload, reduce_bucket_size=reduce_bucket_size)
+        return deepspeed(params, stage, num_workers, precision, offload=offload, reduce_bucket_size=reduce_bucket_size,
+                         held=held)
     if backend == "torch_zero":
-        return torch_zero(params, stage, num_workers, precision)
-    return fsdp(params, stage, num_workers, precision, largest_block_params or params)
+        return torch_zero(params, stage, num_workers, precision, held)
+    return fsdp(params, stage, num_workers, precision, largest_block_params or params, held)
+
+
+def held_in_row(row: dict[str, Any]) -> Optional[Held]:
+    """The elements the fullest rank holds, as trial_row recorded them (None in rows of earlier versions)."""
+    values = [row.get(key) for key in HELD_COLUMNS]
+    return Held(*values) if all(isinstance(v, (int, float)) for v in values) else None
 
 
 def activation_estimate(model: str, micro_batch_size: int, precision: str, checkpointing: bool,
@@ -208,7 +230,7 @@ def predict_point(row: dict[str, Any], calibration: Optional[dict] = None) -> Pr
     prediction = engine_prediction(
         row["backend"], row["params"], row["stage"], row["num_workers"], row["precision"],
         offload=row.get("offload_optimizer", "none"), reduce_bucket_size=row.get("reduce_bucket_size", 50_000_000),
-        largest_block_params=row.get("largest_block_params"))
+        largest_block_params=row.get("largest_block_params"), held=held_in_row(row))
     if not on_gpu:  # CPU rows: the model states are comparable with the tensors counted; the peak is not
         return Prediction(**{**prediction.__dict__, "activation_bytes": None, "basis": "model states only (CPU)"})
     activations, source = activation_estimate(row["model"], row["micro_batch_size"], row["precision"],

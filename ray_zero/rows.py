@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from ray_zero.memory_model import GIB, predict_point
+from ray_zero import partitions
+from ray_zero.memory_model import GIB, HELD_COLUMNS, predict_point
 
 COLUMNS = [
     "trial", "backend", "stage", "micro_batch_size", "num_workers", "activation_checkpointing",
@@ -90,8 +91,19 @@ def trial_row(spec) -> dict[str, Any]:
         "param_bytes": spec.model.param_bytes, "dataset": experiment.resolved_dataset(), "steps": experiment.steps,
         "global_batch": experiment.global_batch(point.micro_batch_size, point.num_workers),
         "memory_kind": "cuda" if spec.use_gpu else "cpu_rss", "reduce_bucket_size": experiment.reduce_bucket_size,
-        "flops_per_sample": spec.model.flops_per_sample,
+        "flops_per_sample": spec.model.flops_per_sample, "largest_block_params": spec.model.largest_block_params,
+        **_held(spec.model, point),
     }
+
+
+def _held(model, point) -> dict[str, Any]:
+    """What the point's engine leaves on its fullest rank, in elements, from the parameters' shapes
+    (ray_zero/partitions.py); nothing for a description without shapes (earlier versions)."""
+    if not (getattr(model, "trainable_param_shapes", ()) or getattr(model, "frozen_param_shapes", ())):
+        return {}
+    held = partitions.held(model.trainable_param_shapes, model.frozen_param_shapes, point.backend, point.stage,
+                           point.num_workers)
+    return dict(zip(HELD_COLUMNS, (held.params, held.gradients, held.states, held.trainable)))
 
 
 def one_line_reason(error: BaseException) -> str:

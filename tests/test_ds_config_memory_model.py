@@ -113,3 +113,40 @@ def test_estimate_takes_any_model_source_without_network(cli):
     done = cli("estimate", "--model", "hf:gpt2", "--workers", "1,2", "--stages", "0,1")
     assert done.returncode == 0, done.stderr
     assert "124,439,808 parameters" in done.stdout and "activations unknown" in done.stdout
+
+
+def test_what_each_engine_leaves_on_its_fullest_rank_tensor_by_tensor():
+    from ray_zero.partitions import Held, held
+
+    shapes = [(3,), (14,), (3,)]  # 20 elements: ZeRO-1/2 partitions of 10 at 2 ranks
+    # The 14-element tensor overlaps both partitions: each rank's gradient buffer holds it whole.
+    assert held(shapes, [], "deepspeed", 1, 2) == Held(params=20, gradients=17, states=10, trainable=20)
+    assert held(shapes, [(5, 2)], "deepspeed", 2, 2) == Held(params=30, gradients=17, states=10, trainable=20)
+    # ZeRO-3: each tensor split (rounded up), those of at most 1e5 elements also whole on every rank.
+    big, small = (200_001,), (7,)
+    assert held([big, small], [], "deepspeed", 3, 2) == Held(params=100_001 + 4 + 7, gradients=100_005,
+                                                             states=100_005, trainable=200_008)
+    assert held([big, small], [], "deepspeed", 3, 1).params == 200_008  # one rank: its partition is the tensor
+    # ZeroRedundancyOptimizer: whole tensors, largest first, to the least loaded rank.
+    assert held([(64_000,), (100,), (100,), (50,)], [], "torch_zero", 1, 2).states == 64_000
+    assert held([(64_000,), (100,)], [], "torch_zero", 0, 2).states == 64_100  # DDP: no split
+    # FSDP2: dim 0 split, rounded up (a (1, 5) tensor stays on the first rank), a 0-d tensor whole.
+    assert held([(3, 4), (1, 5), ()], [(2, 2)], "fsdp", 3, 2) == Held(params=16, gradients=14, states=14, trainable=18)
+
+
+def test_frozen_parameters_and_partitions_reach_the_prediction():
+    from ray_zero.memory_model import HELD_COLUMNS
+    from ray_zero.partitions import held
+
+    # A frozen backbone: held (fp16 under DeepSpeed) with no gradient, master or Adam's states.
+    h = held([(1000,)], [(3000,)], "deepspeed", 0, 1)
+    assert {k: v for k, v in deepspeed(4000, 0, 1, "fp16", held=h).__dict__.items() if k.endswith("_bytes")} == dict(
+        parameter_bytes=2 * 4000, gradient_bytes=2 * 1000, master_param_bytes=4 * 1000, optimizer_state_bytes=8 * 1000,
+        bucket_bytes=0.0, step_transient_bytes=8 * 1000, compute_bytes=0.0, activation_bytes=0.0, workspace_bytes=0.0,
+        data_bytes=0.0)
+    # A row carries them (trial_row); rows of earlier versions predict the even split.
+    row = _row(model="hf:gpt2", params=20_000, stage=3, num_workers=2, memory_kind="cpu_rss")
+    layout = held([(20_000,)], [], "deepspeed", 3, 2)  # small enough to stay whole on both ranks besides
+    with_shapes = predict_point({**row, **dict(zip(HELD_COLUMNS, (layout.params, layout.gradients, layout.states,
+                                                                  layout.trainable)))})
+    assert with_shapes.parameter_bytes == 2 * (10_000 + 20_000) and predict_point(row).parameter_bytes == 2 * 10_000

@@ -54,12 +54,10 @@ def test_sharded_engines_split_the_optimizer_states(engines):
 
 
 def test_measured_model_states_are_the_memory_models(engines):
-    # fp32 on CPU: what each rank holds, tensor by tensor, against the prediction. ZeRO-3 keeps small
-    # parameters (under 1e5 elements: all of the seed model's) whole on every rank, which its formula leaves
-    # out, so it holds more than predicted; the others are within 5%.
+    # fp32 on CPU: what each rank holds, tensor by tensor, against the prediction. The memory model knows
+    # ZeRO-3's persistent small parameters (under 1e5 elements: all of the seed model's, kept whole on every
+    # rank beside their partition) and each engine's split of the seed model's tensors; what remains is
+    # Adam's 4-byte step counters.
     for name, row in engines.items():
         ratio = row["measured_model_state_gib"] / row["predicted_model_state_gib"]
-        if name.startswith("stage3"):
-            assert 1.2 < ratio < 1.6, (name, ratio)  # 1.40 measured
-        else:
-            assert 0.95 <= ratio <= 1.05, (name, ratio)
+        assert 1 <= ratio <= 1.001, (name, ratio)
