@@ -13,13 +13,14 @@ import copy
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from ray_zero.ds_config import build_ds_config
 from ray_zero.model_spec import ModelSpec
+from ray_zero.state_bytes import state_bytes
 
 BACKEND_STAGES = {"deepspeed": (0, 1, 2, 3), "torch_zero": (0, 1), "fsdp": (2, 3)}
 """torch_zero: DDP (0) or DDP + ZeroRedundancyOptimizer (1). FSDP2 always shards gradients and optimizer
@@ -105,6 +106,13 @@ def _optimizer_kwargs(settings: EngineSettings) -> dict[str, Any]:
             "weight_decay": settings.weight_decay}
 
 
+def batch_norms(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The module's BatchNorm layers (torch's, SyncBatchNorm and subclasses such as timm's BatchNormAct2d)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return [m for m in module.modules() if isinstance(m, _BatchNorm)]
+
+
 def _enable_checkpointing(spec: ModelSpec) -> None:
     from torch.utils.checkpoint import checkpoint
 
@@ -167,6 +175,30 @@ class Engine:
         raise NotImplementedError
 
 
+def deepspeed_config(settings: EngineSettings, module: torch.nn.Module, device: torch.device) -> dict:
+    """The DeepSpeed config the engine gives `deepspeed.initialize` for this module, key for key."""
+    s = settings
+    config = build_ds_config(
+        stage=s.stage, micro_batch_size=s.micro_batch_size, gradient_accumulation_steps=s.gradient_accumulation_steps,
+        world_size=s.world_size, precision=s.precision, optimizer_type=s.optimizer, lr=s.lr, betas=tuple(s.betas),
+        eps=s.eps, weight_decay=s.weight_decay, reduce_bucket_size=s.reduce_bucket_size,
+        allgather_bucket_size=s.allgather_bucket_size)
+    # DeepSpeed 0.19.8 clips the gradient norm to 1.0 unless told otherwise; the torch engines do not clip:
+    # the same optimizer everywhere means no clipping here either.
+    config["gradient_clipping"] = 0.0
+    if s.precision in LOW_PRECISION and batch_norms(module):
+        # DeepSpeed 0.19.8 casts parameters to fp16/bf16 but keeps buffers in their dtype (deepspeedai/
+        # DeepSpeed#8066, for RoPE's fp32 inv_freq), so BatchNorm meets half-precision weights and fp32
+        # running statistics, which no BatchNorm kernel takes. Its escape hatch, data_types.buffer_dtype,
+        # casts buffers too, as DeepSpeed did before (module.half()): set for BatchNorm networks only.
+        config["data_types"] = {"buffer_dtype": s.precision}
+    if s.offload_optimizer == "cpu":
+        # With torch_adam DeepSpeed steps torch's AdamW on the host partition (allowed: its
+        # zero_force_ds_cpu_optimizer check is for client optimizers only); pinned pages speed up the copies.
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    return config
+
+
 class DeepSpeedEngine(Engine):
     """`deepspeed.initialize` with the config's one optimizer (torch's Adam(W): no FusedAdam build)."""
 
@@ -174,19 +206,7 @@ class DeepSpeedEngine(Engine):
         super().__init__(spec, settings, device)
         import deepspeed
 
-        s = settings
-        self.config = build_ds_config(
-            stage=s.stage, micro_batch_size=s.micro_batch_size, gradient_accumulation_steps=s.gradient_accumulation_steps,
-            world_size=s.world_size, precision=s.precision, optimizer_type=s.optimizer, lr=s.lr, betas=tuple(s.betas),
-            eps=s.eps, weight_decay=s.weight_decay, reduce_bucket_size=s.reduce_bucket_size,
-            allgather_bucket_size=s.allgather_bucket_size)
-        # DeepSpeed 0.19.8 clips the gradient norm to 1.0 unless told otherwise; the torch engines do not clip:
-        # the same optimizer everywhere means no clipping here either.
-        self.config["gradient_clipping"] = 0.0
-        if s.offload_optimizer == "cpu":
-            # With torch_adam DeepSpeed steps torch's AdamW on the host partition (allowed: its
-            # zero_force_ds_cpu_optimizer check is for client optimizers only); pinned pages speed up the copies.
-            self.config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+        self.config = deepspeed_config(settings, spec.module, device)
         # A copy goes in: self.config stays exactly what was asked for, whatever DeepSpeed does to its argument.
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=spec.module, model_parameters=[p for p in spec.module.parameters() if p.requires_grad],
@@ -257,7 +277,9 @@ class _TorchEngine(Engine):
 
 
 class TorchZeroEngine(_TorchEngine):
-    """DDP with AdamW (stage 0) or ZeroRedundancyOptimizer(AdamW) (stage 1), fp32 parameters, autocast."""
+    """DDP with AdamW (stage 0) or ZeroRedundancyOptimizer(AdamW) (stage 1), fp32 parameters, autocast.
+    Autocast leaves BatchNorm alone: it normalises low-precision activations with its fp32 weights and
+    running statistics (DDP broadcasts those from rank 0 at each forward)."""
 
     def __init__(self, spec, settings, device):
         super().__init__(spec, settings, device)
@@ -302,6 +324,13 @@ class FSDPEngine(_TorchEngine):
         low = LOW_PRECISION.get(settings.precision)
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low else MixedPrecisionPolicy()
         shard = functools.partial(fully_shard, mesh=mesh, reshard_after_forward=settings.stage == 3, mp_policy=policy)
+        if low:
+            # FSDP2 casts parameters, not buffers: a BatchNorm would meet low-precision weights and fp32
+            # running statistics. As FSDP1 did by default and FSDP2's authors advise (pytorch/torchtitan#674),
+            # each BatchNorm is its own group computing in fp32; BatchNorm kernels take low-precision inputs
+            # with fp32 weights and statistics, and return the inputs' dtype.
+            for norm in batch_norms(spec.module):
+                shard(norm, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
         for block in spec.blocks or ():
             shard(block)
         self.model = shard(spec.module)
@@ -319,98 +348,3 @@ class FSDPEngine(_TorchEngine):
             loss = self.spec.loss(self.model, batch)
         self._backward(loss)
         return loss.detach()
-
-
-# ------------------------------------------------------------------------- model-state bytes
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2), else the tensor."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _innermost_torch_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
-    """DeepSpeed wraps the torch optimizer (FP16_Optimizer, ZeRO, BF16_Optimizer): unwrap it."""
-    seen = set()
-    while optimizer is not None and id(optimizer) not in seen:
-        seen.add(id(optimizer))
-        inner = getattr(optimizer, "optimizer", None)
-        if isinstance(optimizer, torch.optim.Optimizer) and not isinstance(inner, torch.optim.Optimizer):
-            return optimizer
-        optimizer = inner
-    return None
-
-
-def _tensors_in(obj: Any, grads: bool = True, depth: int = 0, seen: Optional[set] = None) -> Iterable[torch.Tensor]:
-    """Tensors reachable from a DeepSpeed optimizer wrapper's attributes (lists, dicts, tensors), with their
-    gradients unless not `grads`."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen or depth > 4:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        yield obj
-        if grads and obj.grad is not None:
-            yield obj.grad
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors_in(value, grads, depth + 1, seen)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors_in(value, grads, depth + 1, seen)
-    elif type(obj).__module__.startswith("deepspeed.runtime") and not isinstance(obj, torch.nn.Module):
-        for value in vars(obj).values():
-            yield from _tensors_in(value, grads, depth + 1, seen)
-
-
-# Where DeepSpeed 0.19.8's optimizer wrappers keep what the torch optimizer beneath cannot show: ZeRO-3
-# clears the inner optimizer's param_groups between steps and keeps its fp32 master and gradient
-# partition in flat buffers of its own (read on CPU, stages 0-3, fp32 and bf16).
-_DEEPSPEED_MASTERS = ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "fp32_groups_flat_partition")
-_DEEPSPEED_GRADIENTS = ("averaged_gradients", "grads_in_partition", "grad_partitions_flat_buffer",
-                        "fp32_groups_gradients_flat", "fp32_groups_gradients")
-
-
-def state_bytes(module: torch.nn.Module, optimizer: Any) -> dict[str, int]:
-    """Bytes this rank holds, by kind, counting each tensor storage once (a DTensor by its local shard).
-
-    parameter: the module's parameters (low precision under DeepSpeed fp16/bf16), with ZeRO-3's partition of
-    each; gradient: gradients of the module's parameters and of the fp32 master partition, and DeepSpeed's
-    gradient partitions; master: the fp32 master copy this rank owns (none when the optimizer steps the
-    module's own parameters); optimizer_state: the torch optimizer's states (Adam's two moments, step);
-    other: any further tensor a DeepSpeed optimizer wrapper holds (buckets, flat buffers). `optimizer` is
-    the torch optimizer over this rank's parameters, or DeepSpeed's wrapper of it.
-    """
-    counted: set[tuple[str, int]] = set()
-    result = {"parameter_bytes": 0, "gradient_bytes": 0, "master_param_bytes": 0,
-              "optimizer_state_bytes": 0, "other_optimizer_bytes": 0}
-
-    def add(kind: str, tensors: Iterable[torch.Tensor]) -> None:
-        for tensor in tensors:
-            tensor = _local(tensor)
-            if tensor.device.type == "meta" or tensor.numel() == 0:
-                continue
-            storage = tensor.untyped_storage()
-            key = (str(tensor.device), storage.data_ptr())
-            if key not in counted:
-                counted.add(key)
-                result[kind] += storage.nbytes()
-
-    inner = _innermost_torch_optimizer(optimizer)
-    wrapper = optimizer if optimizer is not None and optimizer is not inner else None  # DeepSpeed's
-    inner_params = [p for group in inner.param_groups for p in group["params"]] if inner else []
-    module_params = list(module.parameters())
-    add("parameter_bytes", (p.data for p in module_params))
-    add("parameter_bytes", (p.ds_tensor for p in module_params if hasattr(p, "ds_tensor")))  # ZeRO-3's partition
-    add("optimizer_state_bytes", (value for state in (inner.state.values() if inner else ())
-                                  for value in state.values() if isinstance(value, torch.Tensor)))
-    add("master_param_bytes", (p.data for p in inner_params))  # nothing new when p is a module parameter
-    for name in _DEEPSPEED_MASTERS if wrapper else ():
-        add("master_param_bytes", _tensors_in(getattr(wrapper, name, None), grads=False))
-    add("gradient_bytes", (p.grad for p in module_params + inner_params if p.grad is not None))
-    for name in _DEEPSPEED_GRADIENTS if wrapper else ():
-        add("gradient_bytes", _tensors_in(getattr(wrapper, name, None)))
-    if wrapper is not None:
-        add("other_optimizer_bytes", _tensors_in(wrapper))
-    return result
