@@ -44,7 +44,7 @@ def build_hf(model_type: str, config: dict, seq_len, input_shape, num_classes, c
     # Transformers keeps unknown keys silently, so a typo would train the default shape: refuse it.
     known = (set(config_class().to_dict()) | set(inspect.signature(config_class.__init__).parameters)
              | set(getattr(config_class, "attribute_map", {}))
-             | {"num_labels", "attn_implementation", "decoder_start_token_id"}) - {"self", "kwargs"}
+             | {"num_labels", "attn_implementation", "experts_implementation", "decoder_start_token_id"}) - {"self", "kwargs"}
     for key in config:
         if key not in known:
             raise ModelError(f"unknown model_config key {key!r} for {source}{did_you_mean(key, known)}")
@@ -84,7 +84,8 @@ def build_hf(model_type: str, config: dict, seq_len, input_shape, num_classes, c
     # Counting runs on meta: eager attention's matmuls are ordinary ops that FlopCounterMode sees, and
     # batched_mm experts (mixture-of-experts models) multiply each token by the weights of its routed
     # experts only, with bmm, which meta and FlopCounterMode both know; Transformers' default grouped_mm
-    # checks CUDA's dtypes on meta (bf16/fp16 only) and is not counted. Training keeps the defaults.
+    # checks CUDA's dtypes on meta (bf16/fp16 only) and is not counted. Training keeps the defaults, or
+    # the model_config's attn_implementation and experts_implementation.
     counted = {"attn_implementation": "eager", "experts_implementation": "batched_mm"} if counting else {}
     try:
         module = getattr(transformers, mappings[task][0]).from_config(hf_config, **counted)

@@ -270,6 +270,11 @@ def test_a_mixture_of_experts_counts_the_routed_experts_only():
     # Per token, layer and routed expert: gate_up (2 x 128 x 64) and down (64 x 128), 3 x 2 FLOPs per weight.
     assert every.flops_per_sample - top2.flops_per_sample == 2 * 64 * 2 * 6 * (2 * 128 * 64 + 64 * 128)
     assert top2.flops_per_sample < every.flops_per_sample  # below a dense model of the same total parameters
+    # Training takes Transformers' experts (grouped_mm), or the model_config's; counting always batched_mm.
+    assert _spec("mixtral").module.config._experts_implementation == "grouped_mm"
+    eager = {**TINY_MIXTRAL, "experts_implementation": "eager"}
+    assert build_model_spec("hf:mixtral", eager, 64).module.config._experts_implementation == "eager"
+    assert describe_model("hf:mixtral", eager, 64).flops_per_sample == top2.flops_per_sample
 
 
 @pytest.mark.parametrize("name", ["gpt2", "mixtral", "t5", "timm", "seed"])
