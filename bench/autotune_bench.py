@@ -360,7 +360,7 @@ def main() -> int:
                 sys.executable, "-m", "ray_zero", "sweep", str(args.experiment.resolve()), *sets, *point,
                 "--set", f"grid.stage=[{answer['stage']}]", "--set", f"grid.micro_batch_size=[{answer['micro_batch_size']}]",
                 "--set", f"gradient_accumulation_steps={answer['gradient_accumulation_steps']}",
-                "--set", "calibrate='false'",  # the memory model's calibration is no part of timing one point
+                "--set", "calibrate=false",  # the memory model's calibration is no part of timing one point
                 "--output", str(out / "sweep-autotuner")], env, left())
     write_table(out, stages, command)
     return 0

@@ -83,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--backend", default="deepspeed", choices=["deepspeed", "torch_zero", "fsdp"])
     estimate.add_argument("--precision", default="fp16", choices=["fp16", "bf16", "fp32"], help="training precision")
     estimate.add_argument("--micro-batch-size", type=int, default=64, help="samples per rank per step (for activations)")
+    estimate.add_argument("--gpu-gib", type=float, metavar="G",
+                          help="mark the rows whose predicted peak (or model states, without activations) exceeds G GiB")
     estimate.add_argument("--calibration", type=Path, metavar="DIR",
                           help="a sweep's folder whose calibration.json gives the model's activations per sample")
     commands.add_parser("keys", help="list every experiment key with its meaning and default")
@@ -98,13 +100,14 @@ def _use_cluster_token(address: str | None) -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def _describe(experiment, address: str | None = None):
+def _describe(experiment, address: str | None = None, check_machine: bool = True):
     """The model's facts, before Ray starts; a bad model is one line (ConfigError). On this machine's own
-    Ray, a model whose states cannot fit is refused as soon as its parameters are counted."""
+    Ray, a model whose states cannot fit is refused as soon as its parameters are counted (not for
+    `estimate`, which plans for the cluster the user will have)."""
     from ray_zero.models import ModelError, describe_model
 
     def check(params: int) -> None:
-        if not (address or os.environ.get("RAY_ADDRESS")):
+        if check_machine and not (address or os.environ.get("RAY_ADDRESS")):
             from ray_zero.cluster import check_model_fits, local_cluster, plan_sweep
 
             cluster = local_cluster()
@@ -183,7 +186,7 @@ def _estimate(args) -> int:
     else:
         model = f"model={args.model or 'large'}"
         experiment = validate_experiment({"steps": 1, "warmup_steps": 0}, [model, *args.overrides], source="estimate")
-    print(estimate_table(experiment, _describe(experiment), args))
+    print(estimate_table(experiment, _describe(experiment, check_machine=False), args))
     return 0
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -258,16 +258,22 @@ class Experiment(_Strict):
     """ZeRO-1/2 all-gather bucket, in elements."""
     seed: int = 0
     """Seed for weights, data order and synthetic data."""
-    calibrate: Literal["auto", "true", "false"] = "auto"
-    """Measure the model's activation memory per sample in two short trials before the grid (stage 0, one
-    worker, micro-batches outside the grid), to predict every row's peak; auto: on GPU, for any model
-    that is not a preset (the presets' activations are counted from their shapes)."""
+    calibrate: Union[Literal["auto"], bool] = "auto"
+    """Measure the model's activation memory per sample in short trials before the grid (each engine of
+    the grid at its smallest stage, one worker, three micro-batches), to predict every row's peak; auto:
+    on GPU, for any model that is not a preset (the presets' activations are counted from their shapes)."""
     grid: Grid = Grid()
     """The engine x stage x micro-batch x workers x checkpointing x offload grid."""
     runtime: Runtime = Runtime()
     """How the sweep runs on Ray (CPUs per worker, placement, retries, storage)."""
     fault: list[Fault] = Field(default_factory=list)
     """Deliberate failures for testing (see Fault): one, or a list (each trial fires those that match it)."""
+
+    @field_validator("calibrate", mode="before")
+    @classmethod
+    def _calibrate_flag(cls, value: Any) -> Any:
+        # Folders of earlier versions saved the flag as the strings 'true' / 'false'.
+        return {"true": True, "false": False}.get(value, value) if isinstance(value, str) else value
 
     @field_validator("fault", mode="before")
     @classmethod

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ray_zero.calibration import lookup
 from ray_zero.partitions import Held, even
 from ray_zero.sizes import PRESETS, SAMPLE_BYTES, ModelPreset
 
@@ -213,15 +214,15 @@ def held_in_row(row: dict[str, Any]) -> Optional[Held]:
 
 
 def activation_estimate(model: str, micro_batch_size: int, precision: str, checkpointing: bool,
-                        calibration: Optional[dict]) -> tuple[Optional[float], str]:
-    """Bytes one micro-batch keeps for backward, and where the figure comes from."""
+                        calibration: Optional[dict], backend: str = "deepspeed") -> tuple[Optional[float], str]:
+    """Bytes one micro-batch keeps for backward, and where the figure comes from: the presets' shapes, or
+    the calibration of this engine (ray_zero/calibration.py; "(doubtful: ...)" when its fit is)."""
     if model in PRESETS:
         return preset_activation_bytes(PRESETS[model], micro_batch_size, precision, checkpointing), "preset shapes"
-    key = "checkpointed" if checkpointing else "plain"
-    per_sample = ((calibration or {}).get("bytes_per_sample") or {}).get(key)
+    per_sample, source = lookup(calibration, backend, checkpointing)
     if per_sample is None:
-        return None, "no calibration"
-    return per_sample * micro_batch_size, "calibrated"
+        return None, source
+    return per_sample * micro_batch_size, source
 
 
 def predict_point(row: dict[str, Any], calibration: Optional[dict] = None) -> Prediction:
@@ -234,11 +235,11 @@ def predict_point(row: dict[str, Any], calibration: Optional[dict] = None) -> Pr
     if not on_gpu:  # CPU rows: the model states are comparable with the tensors counted; the peak is not
         return Prediction(**{**prediction.__dict__, "activation_bytes": None, "basis": "model states only (CPU)"})
     activations, source = activation_estimate(row["model"], row["micro_batch_size"], row["precision"],
-                                              bool(row.get("activation_checkpointing")), calibration)
+                                              bool(row.get("activation_checkpointing")), calibration, row["backend"])
     data = row.get("data_bytes_per_rank_max")
     if not isinstance(data, (int, float)):
         data = 4 * row["micro_batch_size"] * SAMPLE_BYTES if row["model"] in PRESETS and row.get("dataset") == "synthetic" else 0.0
-    basis = prediction.basis if source != "calibrated" else f"{prediction.basis}; activations calibrated"
+    basis = prediction.basis if source == "preset shapes" else f"{prediction.basis}; {source}"
     if row.get("activation_checkpointing") and basis.startswith("checked"):
         basis = "unchecked (activation checkpointing)"
     return Prediction(**{**prediction.__dict__, "activation_bytes": activations, "workspace_bytes": CUDA_WORKSPACE_BYTES,

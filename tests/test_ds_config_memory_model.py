@@ -115,6 +115,18 @@ def test_estimate_takes_any_model_source_without_network(cli):
     assert "124,439,808 parameters" in done.stdout and "activations unknown" in done.stdout
 
 
+def test_estimate_plans_for_the_cluster_the_user_will_have(cli):
+    # 1.9 B parameters: 30 GiB of model states at stage 0 on one rank, more than this 24 GiB machine; estimate
+    # still prints the stages and workers it was given (sweep and fit refuse it here), and --gpu-gib marks them.
+    done = cli("estimate", "--model", "hf:llama", "--set", "model_config.num_hidden_layers=8", "--workers", "1,8",
+               "--stages", "0,3", "--precision", "bf16", "--gpu-gib", "20")
+    assert done.returncode == 0, done.stderr
+    rows = {(r[0], r[1]): r for r in (line.split() for line in done.stdout.splitlines()[3:])}
+    assert sorted(rows) == [("0", "1"), ("0", "8"), ("3", "1"), ("3", "8")]
+    assert rows[("0", "1")][-1] == "no" and rows[("3", "8")][-1] == "yes"  # fits_20_gib
+    assert float(rows[("3", "8")][7]) < float(rows[("0", "8")][7]) / 7  # states_gib: ZeRO-3 divides by 8
+
+
 def test_what_each_engine_leaves_on_its_fullest_rank_tensor_by_tensor():
     from ray_zero.partitions import Held, held
 
