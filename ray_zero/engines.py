@@ -160,6 +160,10 @@ class Engine:
         """The optimizer step, once per `gradient_accumulation_steps` micro-batches, after the boundary one."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Let go of what the engine holds, so that a rank can train another engine after it in the same
+        process (fit's probes, the zoo): nothing by default."""
+
     def model_state_bytes(self) -> dict[str, int]:
         """parameter_bytes, gradient_bytes, master_param_bytes, optimizer_state_bytes, other_optimizer_bytes:
         bytes this rank holds (in device or host memory), each storage once, sharded tensors by their local
@@ -245,6 +249,28 @@ class DeepSpeedEngine(Engine):
 
     def _state_bytes(self):
         return state_bytes(self.engine.module, self.optimizer)
+
+    def close(self):
+        # DeepSpeed's ZeRO optimizers hook every parameter's gradient accumulator, a reference cycle through
+        # C++ that the garbage collector cannot see: without destroy() each engine stayed allocated after
+        # its rank returned (on an H200, 14 GiB after a 1.1 B model's ZeRO-3 run).
+        module = self.engine.module
+        self.engine.destroy()
+        if self.settings.stage == 3:
+            # ZeRO-3 (0.19.8) also keeps the module on a module-level stack, and in closures of autograd
+            # Functions it defines per submodule, which destroy() leaves; each parameter refers to the
+            # optimizer (`_z3_optimizer`) and holds its partition (`ds_tensor`). Cut those references.
+            from deepspeed.runtime.zero import parameter_offload
+
+            stack = parameter_offload.FWD_MODULE_STACK
+            stack[:] = [m for m in stack if m is not module]
+            for param in module.parameters():
+                vars(param).clear()
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            for submodule in module.modules():  # the hooks ZeRO-3 registered close over its engine
+                for name, hooks in vars(submodule).items():
+                    if "hooks" in name and isinstance(hooks, dict):
+                        hooks.clear()
 
 
 class _TorchEngine(Engine):

@@ -176,8 +176,9 @@ def _count_one_sample(source: str, spec: ModelSpec) -> tuple[float, int]:
     """FlopCounterMode's count of one forward + backward of a 1-sample batch, all on the meta device, and
     the bytes autograd saved for that backward (each storage once, parameters left out: the activations
     of one sample, as ray_zero.meter.SavedForBackward counts them on a rank, in the dtype the model is
-    built in). The batch is made on the CPU (no meta generator exists) and moved to meta."""
-    batch = _to_device(spec.make_batch(1, torch.device("cpu"), torch.Generator().manual_seed(0)), "meta")
+    built in). The batch is made on the CPU (no meta generator exists) and moved to meta. Two samples,
+    halved: BatchNorm refuses one sample where a feature map is 1x1 (a ResNet on 32x32 images)."""
+    batch = _to_device(spec.make_batch(SAMPLES, torch.device("cpu"), torch.Generator().manual_seed(0)), "meta")
     # Meta storages have no data pointer: a storage is known by its StorageImpl's address (_cdata).
     seen = {p.untyped_storage()._cdata for p in spec.module.parameters()}
     saved = 0
@@ -197,7 +198,11 @@ def _count_one_sample(source: str, spec: ModelSpec) -> tuple[float, int]:
     except Exception as error:
         raise ModelError(f"a forward and backward of one sample of {source} failed on the meta device: "
                          f"{one_line(error)}") from None
-    return float(counter.get_total_flops()), saved
+    return float(counter.get_total_flops()) / SAMPLES, saved // SAMPLES
+
+
+SAMPLES = 2
+"""The batch _count_one_sample counts, divided by it."""
 
 
 def _gathered_weights(tensor: torch.Tensor) -> bool:
