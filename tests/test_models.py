@@ -288,4 +288,5 @@ def test_saved_bytes_per_sample_counted_on_meta_bound_what_autograd_saves(name):
     loss.backward()
     # On meta, attention runs eagerly (or as SDPA's math path) and keeps every head's attention matrix;
     # the fused kernel that trains on the CPU keeps less: an upper bound, 1.0-1.35x here at 64 tokens.
-    assert saved.bytes <= counted <= 1.35 * saved.bytes, (counted, saved.bytes)
+    # (Counted on two samples and halved: the few tensors whose size is not per sample count half.)
+    assert 0.99 * saved.bytes <= counted <= 1.35 * saved.bytes, (counted, saved.bytes)
