@@ -1,32 +1,37 @@
 """`python -m ray_zero fit`: the largest micro-batch that fits, for every (engine, stage, workers) of the
 grid, and the fastest of them exported as the config to train with.
 
-A Tune `Searcher` runs one `BracketSearch` (ray_zero/fit_search.py) per point: every probe is a real trial
-(the same code path as `sweep`), a row of the same tables; probes of different points run side by side
-where the cluster has room. Then each point's largest fitting micro-batch is timed for the experiment's
-full length. Writes fit.csv, fit.md, best_ds_config.json (the DeepSpeed config the fastest DeepSpeed
-rank passed to deepspeed.initialize), best_config.json, best_experiment.yaml + best_command.txt, fit.png.
+One search (ray_zero/fit_search.py) per point, all its probes inside one Ray Train run (ray_zero/
+search_trial.py drives it from a thread of this process; ray_zero/probing.py runs it on the ranks): the
+ranks build the model once and train each probe's few steps in a fresh engine, a row of the same tables
+as a sweep's trial; searches of different points run side by side where the cluster has room. The
+search's calibration (GPU, a model that is not a preset) comes first and its answer's timed run last,
+in the same run. Writes fit.csv, fit.md (with the run each probe ran in), best_ds_config.json (the
+DeepSpeed config the fastest DeepSpeed rank passed to deepspeed.initialize), best_config.json,
+best_experiment.yaml + best_command.txt, fit.png.
 """
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import pandas as pd
+import ray
 import yaml
-from ray.tune.search import Searcher
 
 from ray_zero.config import ConfigError, Experiment, Point
-from ray_zero.fit_search import BracketSearch, Steps, largest_predicted_to_fit
-from ray_zero.memory_model import GIB, predict_point
 from ray_zero import calibration
-from ray_zero.report import markdown_table, read_calibration
-from ray_zero.store import atomic_write, load_trials
-from ray_zero.sweep import Session, SweepIncomplete, calibrate
-from ray_zero.trial import trial_config
+from ray_zero.fit_search import BracketSearch, Steps
+from ray_zero.probing import SearchSpec, calibration_probes
+from ray_zero.report import markdown_table, write_pages
+from ray_zero.rows import one_line_reason, trial_row
+from ray_zero.search_trial import SearchState, drive_search, is_probe, recorded, search_name
+from ray_zero.store import atomic_write, load_trials, publish
+from ray_zero.sweep import Recorder, Session, SweepIncomplete
 
 PROBE_STEPS = 3
 """Steps of a probe (1 of warm-up): the peak comes with the first optimizer steps."""
@@ -63,99 +68,33 @@ def _key(point: Point) -> Point:
     return point.replace(micro_batch_size=0)
 
 
-def first_guess(session: Session, key: Point, budget_gib: float, steps: Steps,
-                calibrated: Optional[dict] = None) -> Optional[int]:
-    """The largest micro-batch the memory model says fits (GPU, where it predicts activations: the presets'
-    shapes, or a calibration), else None."""
-    if not session.plan.use_gpu:
-        return None
-
-    def predicted(micro: int) -> Optional[float]:
-        row = {**_row_of(session, key.replace(micro_batch_size=micro)), "memory_kind": "cuda"}
-        peak = predict_point(row, calibrated).peak_bytes
-        return None if peak is None else peak / GIB
-
-    return largest_predicted_to_fit(predicted, budget_gib, steps)
+def _key_of_row(row: dict[str, Any]) -> Point:
+    return Point(row["backend"], row["stage"], 0, row["num_workers"], bool(row["activation_checkpointing"]),
+                 row["offload_optimizer"])
 
 
-def _row_of(session: Session, point: Point) -> dict[str, Any]:
-    from ray_zero.rows import trial_row
-
-    return trial_row(session.spec(point))
-
-
-class FitSearcher(Searcher):
-    """Suggests each point's next probe as soon as its last one is back; then one timing run per point."""
-
-    def __init__(self, session: Session, searches: dict[Point, BracketSearch], probe: Experiment, timed: Experiment):
-        super().__init__()
-        self.session, self.searches, self.probe, self.timed = session, searches, probe, timed
-        self.in_flight: dict[str, tuple[Point, str]] = {}  # trial id -> (key, "probe" | "timed")
-        self.timing_started: set[Point] = set()
-        self.started_at: dict[Point, float] = {}
-        self.finished_at: dict[Point, float] = {}
-
-    def set_search_properties(self, metric, mode, config, **spec) -> bool:
-        return True  # the searches hold everything; there is no metric to optimise
-
-    def save(self, checkpoint_path: str) -> None:
-        """Nothing to save: a resumed fit rebuilds its searches from the probes' rows (trials.jsonl)."""
-
-    def restore(self, checkpoint_path: str) -> None:
-        """See save."""
-
-    def _busy(self, key: Point) -> bool:
-        return any(k == key for k, _ in self.in_flight.values())
-
-    def suggest(self, trial_id: str):
-        for key, search in self.searches.items():
-            if self._busy(key) or key in self.timing_started:
-                continue
-            micro = search.next_probe()
-            if micro is not None:
-                self.started_at.setdefault(key, time.time())
-                self.in_flight[trial_id] = (key, "probe")
-                return self._config(key.replace(micro_batch_size=micro), self.probe, "")
-            self.finished_at.setdefault(key, time.time())
-            self.timing_started.add(key)
-            if search.answer is not None and self.timed is not None:
-                self.in_flight[trial_id] = (key, "timed")
-                return self._config(key.replace(micro_batch_size=search.answer), self.timed, "timed")
-        return Searcher.FINISHED if not self.in_flight and len(self.timing_started) == len(self.searches) else None
-
-    def _config(self, point: Point, experiment: Experiment, label: str) -> dict:
-        spec = self.session.spec(point, experiment)
-        spec = type(spec)(**{**spec.__dict__, "label": label})
-        return {"trial": trial_config(spec), "log_name": self.session.log_name}
-
-    def on_trial_complete(self, trial_id: str, result: Optional[dict] = None, error: bool = False) -> None:
-        key, role = self.in_flight.pop(trial_id, (None, None))
-        if key is None or role != "probe":
-            return
-        result = result or {}
-        micro = result.get("micro_batch_size")
-        status = result.get("status", "failed")
-        rise = result.get("micro_batch_rise_bytes_per_rank_max") or result.get("saved_for_backward_bytes_per_rank_max")
-        per_sample = rise / GIB / micro if rise and micro else None
-        if micro is None:
-            self.searches[key].stopped = "a probe's trial ended without a result"
-        else:
-            self.searches[key].record(micro, status, result.get("peak_allocated_gib_max"), per_sample,
-                                      result.get("error") or "")
-
-
-def _searches_from_rows(session: Session, rows: list[dict], budget: float, steps: Steps,
-                        calibrated: Optional[dict]) -> dict[Point, BracketSearch]:
-    """One search per (engine, stage, workers, ...) point, with the probes a resumed fit already ran."""
-    keys = list(dict.fromkeys(_key(p) for p in session.plan.runnable))
-    searches = {key: BracketSearch(budget, steps, first_guess(session, key, budget, steps, calibrated)) for key in keys}
-    for row in rows:
-        key = Point(row["backend"], row["stage"], 0, row["num_workers"], bool(row["activation_checkpointing"]),
-                    row["offload_optimizer"])
-        if key in searches and not row["trial"].endswith(("_timed", "_calibration")):
-            searches[key].record(row["micro_batch_size"], row["status"], row.get("peak_allocated_gib_max"),
-                                 error=row.get("error") or "")
+def _searches(session: Session, budget: float, steps: Steps, rows: list[dict]) -> list[SearchSpec]:
+    """One search per (engine, stage, workers, ...) point, with the probes a resumed fit already ran; a
+    search that is done (its answer timed, or nothing left to probe) is left out."""
+    probe_steps = min(PROBE_STEPS, session.experiment.steps or PROBE_STEPS)
+    probe = session.experiment.probe(probe_steps)
+    # The probes' own rates serve when the experiment is no longer than a probe; else each answer is timed.
+    timed = session.experiment if (session.experiment.steps or 10 ** 9) > probe_steps else None
+    calibrate = calibration.wanted(session.experiment, session.plan.use_gpu)
+    searches = []
+    for key in _keys(session):
+        state = SearchState(SearchSpec(session.spec(key.replace(micro_batch_size=steps.smallest), probe),
+                                       budget, steps, timed, calibrate))
+        for row in rows:
+            if _key_of_row(row) == key:
+                state.add(row)
+        if state.in_flight() is not None:
+            searches.append(state.for_next_run())
     return searches
+
+
+def _keys(session: Session) -> list[Point]:
+    return list(dict.fromkeys(_key(p) for p in session.plan.runnable))
 
 
 def run_fit(experiment: Experiment, output_dir: Path, model, settings: FitSettings, address: Optional[str] = None,
@@ -166,58 +105,143 @@ def run_fit(experiment: Experiment, output_dir: Path, model, settings: FitSettin
         budget = settings.budget(session)
         largest = min(settings.max_micro_batch, max(sizes)) if len(sizes) > 1 else settings.max_micro_batch
         steps = Steps(settings.granularity, largest)
-        probe_steps = min(PROBE_STEPS, session.experiment.steps or PROBE_STEPS)
-        probe = session.experiment.probe(probe_steps)
-        calibrated = read_calibration(session.output_dir)
-        if calibrated is None and calibration.wanted(session.experiment, session.plan.use_gpu):
-            calibrated = calibrate(session)
-        searches = _searches_from_rows(session, load_trials(session.output_dir) if resume else [], budget, steps,
-                                       calibrated)
+        searches = _searches(session, budget, steps, load_trials(session.output_dir) if resume else [])
         print(f"ray_zero: fit: {len(searches)} searches for the largest micro-batch within {budget:.2f} GiB per rank "
-              f"on {'GPU' if session.plan.use_gpu else 'CPU'}, {session.plan.precision}; results in {session.output_dir}",
-              flush=True)
-        # The probes' own rates serve when the experiment is no longer than a probe; else each answer is timed.
-        timed = session.experiment if (session.experiment.steps or 10 ** 9) > probe_steps else None
-        searcher = FitSearcher(session, searches, probe, timed)
-        session.resume = False  # a resumed fit starts a new Tuner from the searches' recorded probes
-        started = time.time()
-        session.tuner({}, None, search_alg=searcher, tune_name=f"tune-fit-{int(started)}").fit()
-        frame = session.finish()
-        fit_table = write_fit(session, searches, searcher, budget)
-        if any(search.next_probe() is not None for search in searches.values()):
+              f"on {'GPU' if session.plan.use_gpu else 'CPU'}, {session.plan.precision}, each in one Ray Train run; "
+              f"results in {session.output_dir}", flush=True)
+        session.resume = False  # a resumed fit starts new searches from the probes its rows recorded
+        if searches:
+            recorder = Recorder(session.output_dir, session.storage, None, pages=False,
+                                on_row=CalibrationWriter(session, len(calibration_probes(searches[0]))))
+            run_searches(session, searches, recorder)
+        frame = session.finish(pages=False)  # write_fit draws the pages, with the fit's section
+        rows = load_trials(session.output_dir)
+        fit_table = write_fit(session, rows, budget, steps, frame)
+        if _searches(session, budget, steps, rows):
             raise SweepIncomplete(len(frame), len(frame) + 1)
         print(markdown_table(fit_table, list(fit_table.columns)), flush=True)
         return frame
 
 
-def write_fit(session: Session, searches: dict[Point, BracketSearch], searcher: FitSearcher, budget: float) -> pd.DataFrame:
-    rows = {row["trial"]: row for row in load_trials(session.output_dir)}
+def run_searches(session: Session, searches: list[SearchSpec], recorder: Recorder) -> None:
+    """Drive every search from a thread of this process (ray_zero/search_trial.py), as many at once as
+    the plan runs trials; each row recorded as it comes. A driver that fails itself (a bug, Ray gone)
+    leaves a failed row for its search, and the others go on."""
+    log = ray.get_actor(session.log_name)
+    lock = threading.Lock()
+    waiting, running = list(searches), [0]
+    stamp = int(time.time())
+
+    def record(row: dict[str, Any]) -> None:
+        with lock:
+            recorder.record(row, running=running[0])
+
+    def driver() -> None:
+        while True:
+            with lock:
+                if not waiting:
+                    return
+                search = waiting.pop(0)
+                running[0] += 1
+            try:
+                drive_search(search, f"fit{stamp}-{search_name(search)}", log, record)
+            except Exception as error:  # noqa: BLE001  one search's driver: the others go on
+                record({**trial_row(search.spec), "status": "failed",
+                        "error": f"the search's driver failed: {one_line_reason(error)}"})
+            finally:
+                with lock:
+                    running[0] -= 1
+
+    threads = [threading.Thread(target=driver, name=f"ray_zero fit driver {i}", daemon=True)
+               for i in range(min(len(searches), session.plan.trial_drivers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        while thread.is_alive():  # in steps: Ctrl-C reaches this thread, and the session ends the runs
+            thread.join(0.5)
+
+
+class CalibrationWriter:
+    """calibration.json as soon as a search has measured its activations (each search calibrates at its
+    own point; per engine, the first search to finish its calibration speaks for it), so that the rows
+    recorded after it carry the calibrated prediction, as a sweep's do."""
+
+    def __init__(self, session: Session, sizes: int):
+        self.output_dir, self.experiment = session.output_dir, session.experiment
+        self.use_gpu, self.precision, self.sizes = session.plan.use_gpu, session.plan.precision, sizes
+
+    def __call__(self, row: dict[str, Any]) -> None:
+        if not row["trial"].endswith("_calibration"):
+            return
+        rows = load_trials(self.output_dir)
+        chosen: list[dict] = []
+        for backend in dict.fromkeys(r["backend"] for r in rows if r["trial"].endswith("_calibration")):
+            by_search: dict[Point, list[dict]] = {}
+            for r in rows:
+                if r["trial"].endswith("_calibration") and r["backend"] == backend:
+                    by_search.setdefault(_key_of_row(r), []).append(r)
+            complete = [mine for mine in by_search.values() if len(mine) >= self.sizes]
+            chosen += complete[0] if complete else []
+        if chosen:
+            found = calibration.write_calibration(self.output_dir, self.experiment, chosen, self.use_gpu,
+                                                  self.precision)
+            per_sample = ", ".join(f"{k} {v / 2 ** 20:.1f} MiB" for k, v in found["bytes_per_sample"].items()
+                                   if v is not None)
+            print(f"ray_zero: activations per sample: {per_sample or 'not measured (see calibration.json)'}",
+                  flush=True)
+
+
+def _search_of(rows: list[dict], budget: float, steps: Steps) -> BracketSearch:
+    found = BracketSearch(budget, steps)
+    for row in rows:
+        probe = recorded(row)
+        found.record(probe.micro_batch_size, probe.status, probe.peak_gib, probe.per_sample_gib, probe.error)
+    return found
+
+
+def write_fit(session: Session, rows: list[dict], budget: float, steps: Steps, results: pd.DataFrame) -> pd.DataFrame:
+    """fit.csv, fit.md, the best configs, the plots and report.html; the fit table."""
+    by_name = {row["trial"]: row for row in rows}
     table = []
-    for key, search in searches.items():
+    for key in _keys(session):
+        mine = [r for r in rows if _key_of_row(r) == key]
+        probes = [r for r in mine if is_probe(r)]
+        search = _search_of(probes, budget, steps)
         answer = search.answer
-        timed = rows.get(key.replace(micro_batch_size=answer).name + "_timed") if answer else None
-        probe = rows.get(key.replace(micro_batch_size=answer).name) if answer else None
+        timed = by_name.get(key.replace(micro_batch_size=answer).name + "_timed") if answer else None
+        probe = by_name.get(key.replace(micro_batch_size=answer).name) if answer else None
+        guesses = [r.get("first_guess") for r in probes if r.get("first_guess") is not None]
+        searched = [r for r in mine if not r["trial"].endswith("_timed")]
+        started = min((r.get("search_started_at") or r["recorded_at"] for r in mine), default=None)
         table.append({
             "backend": key.backend, "stage": key.stage, "num_workers": key.num_workers,
             "activation_checkpointing": key.activation_checkpointing, "offload_optimizer": key.offload_optimizer,
             "max_micro_batch": answer, "peak_gib": (probe or {}).get("peak_allocated_gib_max"), "budget_gib": budget,
-            "predicted_max": search.first_guess, "samples_per_s": (timed or probe or {}).get("samples_per_s"),
+            "predicted_max": guesses[0] if guesses else None,
+            "samples_per_s": (timed or probe or {}).get("samples_per_s"),
             "probes": len(search.probes) + (1 if search.stopped else 0),
-            "search_s": searcher.finished_at.get(key, time.time()) - searcher.started_at.get(key, time.time()),
+            "runs": len({r.get("run") for r in mine if r.get("run")}),
+            "search_s": max(r["recorded_at"] for r in searched) - started if searched else None,
             "note": search.stopped or ("" if answer else "does not fit at the smallest micro-batch"),
             "timed_trial": (timed or probe or {}).get("trial")})
     frame = pd.DataFrame(table)
     out = session.output_dir
     atomic_write(out / "fit.csv", frame.drop(columns=["timed_trial"]).to_csv(index=False))
+    # Each probe (and calibration or timed run) with the Ray Train run it ran in: one per search, unless a
+    # run ended early (out of memory at several workers, memory left in use, a worker that died).
+    probes = pd.DataFrame([{"trial": r["trial"], "status": r["status"], "peak_gib": r.get("peak_allocated_gib_max"),
+                            "run": r.get("run")} for r in rows if r.get("status") != "skipped"])
     atomic_write(out / "fit.md", f"# {session.experiment.name}: fit\n\n" + "\n".join(
         f"- {k}: {v}" for k, v in session.provenance.items() if k != "experiment") + "\n\n"
-        + markdown_table(frame.drop(columns=["timed_trial"]), [c for c in frame.columns if c != "timed_trial"]) + "\n")
-    _write_best(session, frame, rows)
-    from ray_zero.html_report import write_html_report
+        + markdown_table(frame.drop(columns=["timed_trial"]), [c for c in frame.columns if c != "timed_trial"]) + "\n"
+        + ("\n## Probes, in the order they ran\n\n" + markdown_table(probes, list(probes.columns)) + "\n"
+           if not probes.empty else ""))
+    _write_best(session, frame, by_name)
     from ray_zero.plots import write_fit_plot
 
     write_fit_plot(frame, out / "fit.png")
-    write_html_report(out)  # again, now with the fit's section
+    write_pages(out, results)  # the sweep's plots and the page, with the fit's section
+    publish(out, session.storage)
     return frame.drop(columns=["timed_trial"])
 
 

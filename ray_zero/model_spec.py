@@ -8,6 +8,9 @@ A user's factory (`model: my_pkg.models:build` or `model: path/to/file.py:build`
 """
 from __future__ import annotations
 
+import copy
+import functools
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -60,3 +63,48 @@ def batch_bytes(batch: Batch) -> int:
     if isinstance(batch, (list, tuple)):
         return sum(batch_bytes(value) for value in batch)
     return 0
+
+
+def copied(spec: ModelSpec) -> ModelSpec:
+    """A deep copy of `spec`, its functions included, for a rank that trains the same model again (fit's
+    probes on a GPU): a function's closure, a partial's arguments, a bound method's object or a callable
+    object's state that refer to the module or its blocks (a checkpointing function wraps the blocks it
+    was given) refer to the copy's. Raises what copy.deepcopy raises for what cannot be copied."""
+    memo: dict[int, Any] = {}
+    module = copy.deepcopy(spec.module, memo)
+    blocks = [copy.deepcopy(block, memo) for block in spec.blocks] if spec.blocks is not None else None
+    return ModelSpec(module, _copied(spec.make_batch, memo), _copied(spec.loss, memo), blocks,
+                     _copied(spec.enable_checkpointing, memo))
+
+
+def _copied(value: Any, memo: dict[int, Any]) -> Any:
+    if id(value) in memo:
+        return memo[id(value)]
+    if value is None or isinstance(value, (type, types.ModuleType, types.BuiltinFunctionType)):
+        return value  # shared: nothing of the model inside
+    if isinstance(value, functools.partial):
+        made = functools.partial(_copied(value.func, memo), *(_copied(a, memo) for a in value.args),
+                                 **{k: _copied(v, memo) for k, v in value.keywords.items()})
+    elif isinstance(value, types.FunctionType):
+        if not (value.__closure__ or value.__defaults__ or value.__kwdefaults__):
+            return value  # what it refers to is global: shared
+        made = types.FunctionType(value.__code__, value.__globals__, value.__name__, None,
+                                  tuple(types.CellType() for _ in value.__closure__ or ()))
+        memo[id(value)] = made  # before its cells: a function may refer to itself
+        for cell, original in zip(made.__closure__ or (), value.__closure__ or ()):
+            try:
+                cell.cell_contents = _copied(original.cell_contents, memo)
+            except ValueError:  # an empty cell (a name assigned after the function was made)
+                pass
+        made.__defaults__ = tuple(_copied(d, memo) for d in value.__defaults__) if value.__defaults__ else None
+        made.__kwdefaults__ = ({k: _copied(v, memo) for k, v in value.__kwdefaults__.items()}
+                               if value.__kwdefaults__ else None)
+        made.__qualname__, made.__dict__ = value.__qualname__, dict(value.__dict__)
+    elif isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        made = type(value)(_copied(item, memo) for item in value)
+    elif isinstance(value, dict):
+        made = {k: _copied(v, memo) for k, v in value.items()}
+    else:  # a module, a tensor, a bound method (its object copied), a callable object, a number
+        return copy.deepcopy(value, memo)
+    memo[id(value)] = made
+    return made

@@ -103,14 +103,42 @@ def trial_summary(row: dict[str, Any]) -> str:
     return text + (f"; {row['error']}" if row.get("error") else "")
 
 
-class ResultsWriter(tune.Callback):
-    """Runs in the sweep's process: record each finished trial, rewrite the tables, print its line and the
-    progress. It keeps no rows of its own (a resumed sweep gets it back from Tune's pickle): everything
-    lives in the output folder (trials.jsonl)."""
+class Recorder:
+    """Records finished trials in the output folder: trials.jsonl, the tables, (with `pages`) the plots
+    and report.html, the copy on the storage path, a line and the progress on the console. It keeps no
+    rows of its own (everything lives in trials.jsonl)."""
 
-    def __init__(self, output_dir: Path, storage: str, total: Optional[int], on_row=None):
-        self.output_dir, self.storage, self.total, self.on_row = output_dir, storage, total, on_row
+    pages = True
+    """Plots and report.html after every row (a fit, whose probes come seconds apart while its ranks need
+    the CPU, draws them once at its end)."""
+
+    def __init__(self, output_dir: Path, storage: str, total: Optional[int], on_row=None, pages: bool = True):
+        self.output_dir, self.storage, self.total, self.on_row, self.pages = output_dir, storage, total, on_row, pages
         self.started = time.time()
+
+    def record(self, row: dict[str, Any], running: int) -> None:
+        row = finish_row(row, read_calibration(self.output_dir))
+        row["recorded_at"] = time.time()  # when the sweep had it: what each trial adds to a sweep (bench/)
+        append_trial(self.output_dir, row)
+        frame = write_results(self.output_dir, load_trials(self.output_dir), read_provenance(self.output_dir))
+        try:
+            if self.pages:
+                write_pages(self.output_dir, frame)
+        except Exception as error:  # the tables are written; a figure must not end the sweep
+            print(f"ray_zero: plots and report.html not written ({type(error).__name__}: {error}); "
+                  f"`python -m ray_zero report {self.output_dir}` draws them later", flush=True)
+        publish(self.output_dir, self.storage)
+        if self.on_row is not None:
+            self.on_row(row)
+        of = f"/{self.total}" if self.total else ""
+        print(trial_summary(row), flush=True)
+        print(f"ray_zero: {len(frame)}{of} trials finished, {running} running, {time.time() - self.started:.0f} s",
+              flush=True)
+
+
+class ResultsWriter(Recorder, tune.Callback):
+    """Runs in the sweep's process: records each finished trial. Tune pickles it with the sweep's state,
+    so a resumed sweep gets it back."""
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         self._record(trial, trials)
@@ -126,23 +154,7 @@ class ResultsWriter(tune.Callback):
             row = {**{k: result[k] for k in result if k in _row_keys(result)}, **json.loads(result.get("nested_json", "{}"))}
         else:  # a trial whose driver itself died has no result: it still gets a row
             row = _crashed_row(trial)
-        row = finish_row(row, read_calibration(self.output_dir))
-        row["recorded_at"] = time.time()  # when the sweep had it: what each trial adds to a sweep (bench/)
-        append_trial(self.output_dir, row)
-        frame = write_results(self.output_dir, load_trials(self.output_dir), read_provenance(self.output_dir))
-        try:
-            write_pages(self.output_dir, frame)
-        except Exception as error:  # the tables are written; a figure must not end the sweep
-            print(f"ray_zero: plots and report.html not written ({type(error).__name__}: {error}); "
-                  f"`python -m ray_zero report {self.output_dir}` draws them later", flush=True)
-        publish(self.output_dir, self.storage)
-        if self.on_row is not None:
-            self.on_row(row)
-        running = sum(t.status == "RUNNING" for t in trials if t is not trial)
-        of = f"/{self.total}" if self.total else ""
-        print(trial_summary(row), flush=True)
-        print(f"ray_zero: {len(frame)}{of} trials finished, {running} running, {time.time() - self.started:.0f} s",
-              flush=True)
+        self.record(row, running=sum(t.status == "RUNNING" for t in trials if t is not trial))
 
 
 def _row_keys(result: dict) -> list[str]:
@@ -244,10 +256,11 @@ class Session:
                 trial_dirname_creator=lambda t: f"{t.config['trial']['name']}_{t.trial_id}"),
             run_config=tune.RunConfig(name=tune_name, storage_path=self.storage, callbacks=callbacks, verbose=0))
 
-    def finish(self):
-        """The tables and pages once more, copied to the storage path; the table (a DataFrame)."""
+    def finish(self, pages: bool = True):
+        """The tables (and pages) once more, copied to the storage path; the table (a DataFrame)."""
         frame = write_results(self.output_dir, load_trials(self.output_dir), self.provenance)
-        write_pages(self.output_dir, frame)
+        if pages:
+            write_pages(self.output_dir, frame)
         publish(self.output_dir, self.storage)
         return frame
 

@@ -33,19 +33,24 @@ class TrialLog:
 
     def __init__(self):
         self._starts: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
-        self._reports: dict[str, list[dict]] = {}
+        self._reports: dict[str, list[list[dict]]] = defaultdict(list)
 
     def started(self, trial: str, rank: int) -> int:
         self._starts[trial][rank] += 1
         return self._starts[trial][rank]
 
     def reported(self, trial: str, ranks: list[dict]) -> None:
-        self._reports[trial] = ranks
+        self._reports[trial].append(ranks)
 
     def take(self, trial: str) -> tuple[Optional[list[dict]], int]:
         """The last all-rank report and the number of attempts that started, forgotten after."""
         starts = self._starts.pop(trial, {})
-        return self._reports.pop(trial, None), max(starts.values(), default=0)
+        reports = self._reports.pop(trial, [])
+        return (reports[-1] if reports else None), max(starts.values(), default=0)
+
+    def take_reports(self, trial: str) -> list[list[dict]]:
+        """Every all-rank report since the last call (a search reports once per probe), forgotten after."""
+        return self._reports.pop(trial, [])
 
 
 def trial_config(spec: TrialSpec) -> dict[str, Any]:
@@ -113,14 +118,14 @@ def train_loop(config: dict[str, Any]) -> None:
     ray.train.report(metrics)
 
 
-def _failure_fields(error: BaseException) -> dict[str, Any]:
+def failure_fields(error: BaseException) -> dict[str, Any]:
     """status, error and (for out-of-memory) the memory at the failure, from a failed fit()."""
     failures = getattr(error, "worker_failures", None) if isinstance(error, WorkerGroupError) else None
     return failed_row_fields(failures or {None: error})
 
 
-def run_trial(config: dict[str, Any]) -> None:
-    """Tune function trainable: run one grid point as a TorchTrainer and report its row to Tune."""
+def train_environment(spec: TrialSpec) -> None:
+    """Settings Ray Train reads from the driver's environment, before its first TorchTrainer."""
     # Read by Ray Train in this process and passed on to its controller. The controller polls its workers
     # every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default): a finished trial waited up to 2 s to be noticed.
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
@@ -130,39 +135,49 @@ def run_trial(config: dict[str, Any]) -> None:
     # Ray Train moves each worker into a new folder per run; the kernels cuDNN compiles at run time are
     # reused by a later process only from the same working directory (about 1 s a trial on the H200).
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
-    spec: TrialSpec = config["trial"]["spec"]
     if spec.private_ray:
         # Ray Train watches every run's nodes for preemption from an actor of its own: a process more per
         # trial, for nodes that cannot be preempted on a private Ray.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+
+
+def torch_trainer(loop, loop_config: dict[str, Any], spec: TrialSpec, name: str, log, log_key: str,
+                  max_failures: int) -> TorchTrainer:
+    """The TorchTrainer of one run: the point's workers, every rank's reports to the trial log."""
     experiment, point = spec.experiment, spec.point
-    context = tune.get_context()
-    trial_key = spec.name + context.get_trial_id()
-    log = ray.get_actor(config["log_name"])
     resources = {"CPU": experiment.runtime.cpus_per_worker, **({"GPU": 1} if spec.use_gpu else {})}
-    trainer = TorchTrainer(
-        train_loop,
-        train_loop_config={"spec": spec, "log": log, "trial_id": context.get_trial_id()},
+    return TorchTrainer(
+        loop, train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if spec.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=point.num_workers, use_gpu=spec.use_gpu,
                                      resources_per_worker=resources,
                                      placement_strategy=experiment.runtime.placement_strategy),
         run_config=RunConfig(
-            name=context.get_trial_id(), storage_path=join_storage(spec.storage_path, "train"),
+            name=name, storage_path=join_storage(spec.storage_path, "train"),
             # A worker that dies while the group starts is a controller failure to Ray Train, retried
             # without limit by default: here as often as a worker that fails while training.
-            failure_config=FailureConfig(max_failures=experiment.runtime.max_failures,
-                                         controller_failure_limit=experiment.runtime.max_failures),
-            callbacks=[AllRanksCallback(log, trial_key)],
+            failure_config=FailureConfig(max_failures=max_failures, controller_failure_limit=max_failures),
+            callbacks=[AllRanksCallback(log, log_key)],
             logging_config=LoggingConfig(log_level="WARNING")),  # its per-report lines stay in the logs
     )
+
+
+def run_trial(config: dict[str, Any]) -> None:
+    """Tune function trainable: run one grid point as a TorchTrainer and report its row to Tune."""
+    spec: TrialSpec = config["trial"]["spec"]
+    train_environment(spec)
+    context = tune.get_context()
+    trial_key = spec.name + context.get_trial_id()
+    log = ray.get_actor(config["log_name"])
+    trainer = torch_trainer(train_loop, {"spec": spec, "log": log, "trial_id": context.get_trial_id()}, spec,
+                            context.get_trial_id(), log, trial_key, spec.experiment.runtime.max_failures)
     row = trial_row(spec)
     fit_started_at = time.time()
     try:
         trainer.fit()
         row["status"] = "ok"
     except TrainingFailedError as error:
-        row.update(_failure_fields(error))
+        row.update(failure_fields(error))
     fit_finished_at = time.time()
     reports, attempts = ray.get(log.take.remote(trial_key))
     row["attempts"] = attempts

@@ -18,7 +18,7 @@ import torch
 from ray_zero.config import TrialSpec
 from ray_zero.data import mnist_shard, synthetic_batches
 from ray_zero.meter import Meter, SavedForBackward, peak_tflops
-from ray_zero.model_spec import batch_bytes, cast_floating
+from ray_zero.model_spec import ModelSpec, batch_bytes, cast_floating
 
 ProgressFn = Callable[[int, dict[str, float]], None]
 # Live figures go to the caller at most this often: Ray exports gauges every 10 s, and each update costs
@@ -78,8 +78,9 @@ def engine_settings(spec: TrialSpec, world_size: int):
 
 
 def train(spec: TrialSpec, rank: int, world_size: int, device: torch.device, attempt: int = 1,
-          on_progress: Optional[ProgressFn] = None, diagnostics=None) -> dict[str, Any]:
-    """Train one rank of one trial and return this rank's measurements (a flat dict)."""
+          on_progress: Optional[ProgressFn] = None, diagnostics=None, model: Optional[ModelSpec] = None) -> dict[str, Any]:
+    """Train one rank of one trial and return this rank's measurements (a flat dict). `model`: the model
+    to train, already built (fit's probes reuse one); by default the rank builds the experiment's."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_ops_dir())
     if device.type == "cpu":
         # `import deepspeed` sets PYTORCH_NVML_BASED_CUDA_CHECK=1; without a GPU torch's optimizers then
@@ -88,7 +89,7 @@ def train(spec: TrialSpec, rank: int, world_size: int, device: torch.device, att
     if device.type == "cuda":
         torch.cuda.set_device(device)
     meter = Meter(device)
-    run = _Run(spec, rank, world_size, device, attempt, meter, on_progress, diagnostics)
+    run = _Run(spec, rank, world_size, device, attempt, meter, on_progress, diagnostics, model)
     try:
         return run.train()
     except torch.cuda.OutOfMemoryError as error:
@@ -102,8 +103,9 @@ def train(spec: TrialSpec, rank: int, world_size: int, device: torch.device, att
 class _Run:
     """One rank's trial: set-up, then the training loop; `phase` says where it is (for an OOM message)."""
 
-    def __init__(self, spec, rank, world_size, device, attempt, meter, on_progress, diagnostics):
+    def __init__(self, spec, rank, world_size, device, attempt, meter, on_progress, diagnostics, model=None):
         self.spec, self.rank, self.world_size, self.device = spec, rank, world_size, device
+        self.model = model
         self.attempt, self.meter, self.on_progress, self.diagnostics = attempt, meter, on_progress, diagnostics
         self.phase = "start"
         self.timings: dict[str, float] = {}
@@ -128,8 +130,10 @@ class _Run:
         torch.manual_seed(experiment.seed)  # the same initial weights on every rank
 
         self.phase = "model build"
-        model = build_model_spec(experiment.model, experiment.model_options, experiment.seq_len,
-                                 experiment.input_shape, experiment.num_classes)
+        model, self.model = self.model, None  # the run keeps no reference: a torn-down probe frees it all
+        if model is None:
+            model = build_model_spec(experiment.model, experiment.model_options, experiment.seq_len,
+                                     experiment.input_shape, experiment.num_classes)
         model.module.to(self.device)
         self._done("model_build", "model")
 

@@ -1,9 +1,10 @@
-"""`fit` end to end through Ray Tune on CPU: a tiny GPT-2 at seq_len 512 whose activations dominate its
-memory (each worker's peak resident set grows by about 0.3 GiB per 32 samples). One search (DeepSpeed
-stage 1) finds the largest micro-batch within the budget, bracketed by its own probes; a second search
-(stage 2) has a probe that fails for another reason than memory: it ends that search alone. The best
-config then trains in a fresh `deepspeed.initialize` on a rank of the harness. The search's logic against
-exhaustive tables, without trials: tests/test_fit_search.py."""
+"""`fit` end to end through Ray on CPU: a tiny GPT-2 at seq_len 512 whose activations dominate its memory
+(each worker's peak resident set grows by about 0.3 GiB per 32 samples). One search (DeepSpeed stage 1)
+finds the largest micro-batch within the budget, bracketed by its own probes, all in one Ray Train run;
+a second search (stage 2) loses its worker (killed) and goes on in a fresh run, where its probe fails for
+another reason than memory: that ends that search alone. The best config then trains in a fresh
+`deepspeed.initialize` on a rank of the harness. In-process probing at rank level: tests/test_probing.py;
+the search's logic against exhaustive tables, without trials: tests/test_fit_search.py."""
 from __future__ import annotations
 
 import json
@@ -24,7 +25,8 @@ BUDGET_GIB = 2.48  # README's example: 96 samples on this machine
 def fit(ray_instance, tmp_path_factory):
     output = tmp_path_factory.mktemp("fit")
     experiment = load_experiment(ROOT / "experiments" / "fit_gpt2_cpu.yaml",
-                                 ["grid.stage=[1,2]", "fault={kind: error, stage: 2, step: 1}"])
+                                 ["grid.stage=[1,2]", "runtime.max_failures=1", "fault=[{kind: sigkill, stage: 2, "
+                                  "step: 1, attempts: 1}, {kind: error, stage: 2, step: 1}]"])
     model = describe_model(experiment.model, experiment.model_options, experiment.seq_len)
     run_fit(experiment, output, model, FitSettings(budget_gib=BUDGET_GIB, granularity=GRANULARITY,
                                                    max_micro_batch=LARGEST), command="pytest fit")
@@ -43,6 +45,11 @@ def test_the_answer_is_bracketed_by_its_own_probes(fit):
     if answer < LARGEST:  # the next size up was measured over the budget
         assert probes.loc[answer + GRANULARITY, "peak_allocated_gib_max"] > BUDGET_GIB
     assert table.loc[1, "samples_per_s"] > 0
+    # One Ray Train run, one process per rank: the probes ran one after another in the same worker.
+    records = [r for r in _records(output) if r["stage"] == 1]
+    assert table.loc[1, "runs"] == 1 and len({r["run"] for r in records}) == 1
+    assert len({r["per_rank"][0]["pid"] for r in records}) == 1
+    assert "| run |" in (output / "fit.md").read_text()
 
 
 def test_a_failing_probe_ends_only_its_own_search(fit):
@@ -51,13 +58,19 @@ def test_a_failing_probe_ends_only_its_own_search(fit):
     assert "injected error" in table.loc[2, "note"] and pd.isna(table.loc[2, "max_micro_batch"])
     assert table.loc[2, "probes"] == 1 and list(rows[rows["stage"] == 2]["status"]) == ["failed"]
     assert not pd.isna(table.loc[1, "max_micro_batch"])
+    # The killed worker's probe ran again in the search's second run, where the injected error ended it.
+    failed = [r for r in _records(output) if r["stage"] == 2]
+    assert len(failed) == 1 and failed[0]["run"].endswith("-run2")
+
+
+def _records(output) -> list[dict]:
+    return [json.loads(line) for line in (output / "trials.jsonl").read_text().splitlines()]
 
 
 def test_best_config_is_what_the_winner_passed_to_deepspeed_and_trains_afresh(fit, ranks):
     output, _ = fit
     best = json.loads((output / "best_ds_config.json").read_text())
-    records = [json.loads(line) for line in (output / "trials.jsonl").read_text().splitlines()]
-    winner = [r for r in records if r["micro_batch_size"] == best["train_micro_batch_size_per_gpu"]
+    winner = [r for r in _records(output) if r["micro_batch_size"] == best["train_micro_batch_size_per_gpu"]
               and r["stage"] == best["zero_optimization"]["stage"]][0]
     assert best == winner["per_rank"][0]["engine_config"]  # key for key what its rank passed to initialize
     assert (output / "best_command.txt").read_text().startswith("python -m ray_zero sweep ")
