@@ -4,7 +4,7 @@ The memory model knows what each engine keeps for the model states; what one mic
 backward depends on the model's code, and on the engine: DeepSpeed and FSDP2 run the module in fp16/bf16,
 PyTorch's DDP (torch_zero) runs an fp32 module under autocast, which keeps fp32 residual streams and cast
 copies. So each engine of the grid is calibrated on its own: one worker, its smallest stage, three or
-more micro-batches, each a few steps long. Each rank measures, on one micro-batch of the second step
+more micro-batches, each a few steps long. Each rank measures, on one micro-batch of the third step
 (steady state: the first step also allocates gradients, optimizer states, buckets and workspaces), how
 far its forward and backward raise allocated memory above what was allocated before it (GPU,
 `micro_batch_rise_bytes`) and the bytes autograd saved for backward (any device). A straight line
@@ -31,8 +31,10 @@ from ray_zero.store import atomic_write
 CALIBRATION_FILE = "calibration.json"
 SIZES = 3
 """Micro-batches per line: three, so that a bend shows."""
-CALIBRATION_STEPS, CALIBRATION_WARMUP = 4, 2
-"""The measured micro-batch is the first of step warmup - 1 = 1: after one optimizer step."""
+CALIBRATION_STEPS, CALIBRATION_WARMUP = 5, 3
+"""The measured micro-batch is the first of step warmup - 1 = 2: after two optimizer steps. Not step 1:
+DDP rebuilds its gradient buckets at the start of its second iteration, and on an H200 that rebuild (4
+bytes per parameter) landed inside the measured micro-batch at some sizes and not others."""
 NONLINEAR = 0.05
 """A line whose largest residual exceeds this fraction of the largest size's activations is 'not linear'."""
 AUTOGRAD_FACTOR = 2.5

@@ -185,10 +185,7 @@ class CalibrationWriter:
         if chosen:
             found = calibration.write_calibration(self.output_dir, self.experiment, chosen, self.use_gpu,
                                                   self.precision)
-            per_sample = ", ".join(f"{k} {v / 2 ** 20:.1f} MiB" for k, v in found["bytes_per_sample"].items()
-                                   if v is not None)
-            print(f"ray_zero: activations per sample: {per_sample or 'not measured (see calibration.json)'}",
-                  flush=True)
+            print(f"ray_zero: {calibration.summary(found)}", flush=True)
 
 
 def _search_of(rows: list[dict], budget: float, steps: Steps) -> BracketSearch:

@@ -104,11 +104,12 @@ class SearchSpec:
 
 
 def calibration_probes(search: SearchSpec) -> list[TrialSpec]:
-    """The search's calibration probes: which micro-batches, for how long. The only place that says so
-    (ray_zero/calibration.py reads their rows with `per_sample_bytes`): the smallest size the search may
-    probe and the next one, each as long as a probe, at the search's own point."""
-    sizes = [search.steps.smallest, search.steps.up(search.steps.smallest)]
-    return [search.at(size, search.spec.experiment, label="calibration") for size in sizes]
+    """The search's calibration probes at its own point: the sizes and length a sweep's calibration
+    takes (ray_zero/calibration.py, which reads their rows with `per_sample_bytes`)."""
+    spec = search.spec
+    length = calibration.probe_experiment(spec.experiment)
+    return [search.at(size, length, label="calibration")
+            for size in calibration.calibration_sizes(spec.model, spec.precision)]
 
 
 def release(device: torch.device) -> None:

@@ -266,10 +266,10 @@ class Session:
 
 
 def calibrate(session: Session, total: Optional[int] = None) -> dict:
-    """Two short trials measure the model's activations per sample (ray_zero/calibration.py); their rows
-    join the tables, and calibration.json predicts every later row."""
-    points = calibration.calibration_points(session.experiment)
-    probe = session.experiment.probe()
+    """Short trials measure the model's activations per sample, per engine of the grid, at three sizes
+    (ray_zero/calibration.py); their rows join the tables, and calibration.json predicts every later row."""
+    points = calibration.calibration_points(session.experiment, session.model, session.plan.precision)
+    probe = calibration.probe_experiment(session.experiment)
     specs = [dataclasses.replace(session.spec(p, probe), label="calibration") for p in points]
     print(f"ray_zero: calibrating activations: {len(specs)} trials ({', '.join(s.name for s in specs)})", flush=True)
     session.tuner({"trial": tune.grid_search([trial_config(s) for s in specs])}, total,
@@ -278,8 +278,7 @@ def calibrate(session: Session, total: Optional[int] = None) -> dict:
     rows = [row for row in load_trials(session.output_dir) if row["trial"] in names]
     found = calibration.write_calibration(session.output_dir, session.experiment, rows, session.plan.use_gpu,
                                           session.plan.precision)
-    per_sample = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in found["bytes_per_sample"].items() if v is not None)
-    print(f"ray_zero: activations per sample: {per_sample or 'not measured (see calibration.json)'}", flush=True)
+    print(f"ray_zero: {calibration.summary(found)}", flush=True)
     return found
 
 
@@ -301,7 +300,7 @@ def run_sweep(experiment: Experiment, output_dir: Path, model=None, address: Opt
               f"{plan.precision}; results in {session.output_dir}", flush=True)
         total = len(plan.runnable) + len(plan.skipped)
         if calibration.wanted(session.experiment, plan.use_gpu):
-            total += len(calibration.calibration_points(session.experiment))
+            total += len(calibration.calibration_points(session.experiment, session.model, plan.precision))
             if not resume:
                 calibrate(session, total)
         specs = [session.spec(p) for p in plan.runnable]

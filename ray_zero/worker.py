@@ -159,6 +159,16 @@ class _Run:
         self.phase = "engine set-up"
         engine = build_engine(model, engine_settings(spec, self.world_size), self.device)
         self._done("initialize", "initialize")
+        try:
+            return self._train(engine, model, batches, total_steps, warmup, steps_per_epoch, data_bytes, data_source)
+        finally:
+            engine.close()
+
+    def _train(self, engine, model, batches, total_steps, warmup, steps_per_epoch, data_bytes, data_source):
+        """The training loop of an engine that is set up; the rank's result."""
+        experiment, point = self.spec.experiment, self.spec.point
+        micro, accum = point.micro_batch_size, experiment.gradient_accumulation_steps
+        spec = self.spec
 
         saved = SavedForBackward()
         measured_step = max(warmup - 1, 0)  # one micro-batch measured alone, before the timed steps
@@ -190,8 +200,12 @@ class _Run:
             epoch_loss += step_loss
             if step == 0:
                 self.meter.after("first_step")
-                states = engine.model_state_bytes()
                 loss_first = step_loss.item()
+            if step in (0, total_steps - 1):
+                # After the first step and the last: a skipped step (fp16's loss scale overflowing at the
+                # start) creates no optimizer states, and they appear at a later step.
+                now = engine.model_state_bytes()
+                states = {k: max(v, states.get(k, 0)) for k, v in now.items()} if step else now
             if steps_per_epoch and experiment.epochs is not None and (step + 1) % steps_per_epoch == 0:
                 losses_by_epoch.append(round(epoch_loss.item() / steps_per_epoch, 5))
                 epoch_loss.zero_()

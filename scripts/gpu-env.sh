@@ -3,10 +3,9 @@
 #   source scripts/gpu-env.sh
 SITE=${SITE:-/tmp/site}
 mkdir -p "$SITE"
-if [ ! -d "$SITE/ray" ]; then   # once per machine: scripts that call each other source this again
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl
-  tar -xJf .whl/ray-*.tar.xz -C "$SITE"
-fi
+# Once per machine (scripts that call each other source this again); NO_RAY=1: a script that needs no Ray.
+[ -d "$SITE/deepspeed" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl
+[ -n "${NO_RAY:-}" ] || [ -d "$SITE/ray" ] || tar -xJf .whl/ray-*.tar.xz -C "$SITE"
 export PYTHONPATH="$SITE:$PWD" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
 # Every process compiled the machine's torch from source at start (py-spy, bench/README.md "Still open"):
 # Python found no cached bytecode it could use. Cache it in a writable folder, as a pip-installed torch has.

@@ -19,6 +19,7 @@ import torch
 
 from conftest import ROOT
 from rank_group import RankGroup, experiment_of, trial_spec
+from ray_zero import calibration
 from ray_zero.config import Point
 from ray_zero.fit_search import Steps
 from ray_zero.model_spec import ModelSpec, copied
@@ -191,8 +192,9 @@ def test_two_ranks_take_the_same_decisions(ranks):
     ends, probes = zip(*results)
     assert ends == ("done", "done")
     sequence = [[(p["label"], p["micro_batch_size"]) for p in rank] for rank in probes]
-    # Calibration at the two smallest sizes, then 8, then the largest allowed (everything fits): done.
-    assert sequence[0] == sequence[1] == [("calibration", 8), ("calibration", 16), ("", 8), ("", 32)]
+    # Calibration at a sweep's three sizes, then 8, then the largest allowed (everything fits): done.
+    sizes = calibration.calibration_sizes(search.spec.model, search.spec.precision)
+    assert sequence[0] == sequence[1] == [("calibration", s) for s in sizes] + [("", 8), ("", 32)]
     assert all(p["probe_status"] == "ok" and p["rank"] == rank for rank, mine in enumerate(probes) for p in mine)
 
 
