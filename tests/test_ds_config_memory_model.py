@@ -100,10 +100,18 @@ def test_other_engines_offload_and_checkpointing():
     assert calibrated.activation_bytes == 64 * 2 ** 20 and "calibrated" in calibrated.basis
 
 
-def test_estimate_command_prints_the_table(cli):
-    done = cli("estimate", "--model", "large", "--workers", "1,2,4,8")
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
+def _estimate(capsys, *args: str):
+    """`python -m ray_zero estimate ARGS` in this process (no Ray is involved): exit status, stdout."""
+    from ray_zero.__main__ import main
+
+    status = main(["estimate", *args])
+    return status, capsys.readouterr().out
+
+
+def test_estimate_command_prints_the_table(capsys):
+    status, out = _estimate(capsys, "--model", "large", "--workers", "1,2,4,8")
+    assert status == 0
+    lines = out.splitlines()
     assert "805,888,010 parameters" in lines[0]
     rows = [line.split() for line in lines[3:]]
     assert len(rows) == 16  # 4 stages x 4 worker counts
@@ -111,19 +119,18 @@ def test_estimate_command_prints_the_table(cli):
     assert stage1[1] > stage1[2] > stage1[4] > stage1[8]
 
 
-def test_estimate_takes_any_model_source_without_network(cli):
-    done = cli("estimate", "--model", "hf:gpt2", "--workers", "1,2", "--stages", "0,1")
-    assert done.returncode == 0, done.stderr
-    assert "124,439,808 parameters" in done.stdout and "activations unknown" in done.stdout
+def test_estimate_takes_any_model_source_without_network(capsys):
+    status, out = _estimate(capsys, "--model", "hf:gpt2", "--workers", "1,2", "--stages", "0,1")
+    assert status == 0 and "124,439,808 parameters" in out and "activations unknown" in out
 
 
-def test_estimate_plans_for_the_cluster_the_user_will_have(cli):
+def test_estimate_plans_for_the_cluster_the_user_will_have(capsys):
     # 1.9 B parameters: 30 GiB of model states at stage 0 on one rank, more than this 24 GiB machine; estimate
     # still prints the stages and workers it was given (sweep and fit refuse it here), and --gpu-gib marks them.
-    done = cli("estimate", "--model", "hf:llama", "--set", "model_config.num_hidden_layers=8", "--workers", "1,8",
-               "--stages", "0,3", "--precision", "bf16", "--gpu-gib", "20")
-    assert done.returncode == 0, done.stderr
-    rows = {(r[0], r[1]): r for r in (line.split() for line in done.stdout.splitlines()[3:])}
+    status, out = _estimate(capsys, "--model", "hf:llama", "--set", "model_config.num_hidden_layers=8",
+                            "--workers", "1,8", "--stages", "0,3", "--precision", "bf16", "--gpu-gib", "20")
+    assert status == 0
+    rows = {(r[0], r[1]): r for r in (line.split() for line in out.splitlines()[3:])}
     assert sorted(rows) == [("0", "1"), ("0", "8"), ("3", "1"), ("3", "8")]
     assert rows[("0", "1")][-1] == "no" and rows[("3", "8")][-1] == "yes"  # fits_20_gib
     assert float(rows[("3", "8")][7]) < float(rows[("0", "8")][7]) / 7  # states_gib: ZeRO-3 divides by 8
