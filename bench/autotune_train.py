@@ -1,6 +1,8 @@
-"""The training script DeepSpeed's autotuner launches: ray_zero's model and synthetic batches for an experiment.
+"""The training script DeepSpeed's autotuner launches: ray_zero's model and synthetic batches for an
+experiment.
 
-    deepspeed --autotuning tune bench/autotune_train.py --deepspeed_config ds_config.json EXPERIMENT.yaml [--set K=V ...]
+    deepspeed --autotuning tune bench/autotune_train.py --deepspeed_config ds_config.json EXPERIMENT.yaml
+    [--set K=V ...]
     deepspeed bench/autotune_train.py --deepspeed_config ds_config.json EXPERIMENT.yaml     # one fixed config
 
 The autotuner rewrites the value after --deepspeed_config (a base64 config per experiment) and reruns this
@@ -10,6 +12,7 @@ model_info.json) and at end_profile_step + 1 (after writing metrics.json). Anyth
 "error" makes the autotuner count the experiment as failed (deepspeed/autotuning/utils.py search_error),
 so warnings and logs go to stdout here; an out-of-memory traceback still goes to stderr, as it should.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +47,9 @@ def _only_failures_on_stderr() -> None:
     """The autotuner reads any "error" on an experiment's stderr as its failure: warnings and logs go to
     stdout, an uncaught exception (an out-of-memory error) to stderr (C++ warnings still write to fd 2)."""
     sys.stderr = _StderrToStdout()
-    sys.excepthook = lambda kind, value, trace: traceback.print_exception(kind, value, trace, file=sys.__stderr__)
+    sys.excepthook = lambda kind, value, trace: traceback.print_exception(
+        kind, value, trace, file=sys.__stderr__
+    )
 
 
 def main() -> None:
@@ -53,11 +58,11 @@ def main() -> None:
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from ray_zero.data import synthetic_batches
     from ray_zero.experiment_file import load_experiment
-    from ray_zero.model_spec import cast_floating
-    from ray_zero.models import build_model_spec
-    from ray_zero.worker import SYNTHETIC_BATCHES
+    from ray_zero.models.describe import build_model_spec
+    from ray_zero.models.spec import cast_floating
+    from ray_zero.train.data import synthetic_batches
+    from ray_zero.train.worker import SYNTHETIC_BATCHES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiment")
@@ -71,15 +76,31 @@ def main() -> None:
     get_accelerator().set_device(local_rank)
     device = torch.device(get_accelerator().device_name(local_rank))
     torch.manual_seed(experiment.seed)  # the same initial weights as a ray_zero trial
-    spec = build_model_spec(experiment.model, experiment.model_options, experiment.seq_len,
-                            experiment.input_shape, experiment.num_classes)
+    spec = build_model_spec(
+        experiment.model,
+        experiment.model_options,
+        experiment.seq_len,
+        experiment.input_shape,
+        experiment.num_classes,
+    )
     spec.module.to(device).train()
-    engine, _, _, _ = deepspeed.initialize(args=args, model=spec.module,
-                                           model_parameters=[p for p in spec.module.parameters() if p.requires_grad])
+    engine, _, _, _ = deepspeed.initialize(
+        args=args,
+        model=spec.module,
+        model_parameters=[p for p in spec.module.parameters() if p.requires_grad],
+    )
     # The autotuner chooses the micro-batch and gradient accumulation: take them from the engine.
     micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    dtype = torch.float16 if engine.fp16_enabled() else torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
-    pool = synthetic_batches(spec.make_batch, micro, SYNTHETIC_BATCHES, experiment.seed + engine.global_rank, device)
+    dtype = (
+        torch.float16
+        if engine.fp16_enabled()
+        else torch.bfloat16
+        if engine.bfloat16_enabled()
+        else torch.float32
+    )
+    pool = synthetic_batches(
+        spec.make_batch, micro, SYNTHETIC_BATCHES, experiment.seed + engine.global_rank, device
+    )
     steps = experiment.steps
     if engine.autotuning_enabled():  # reach the profile window even when the experiment is shorter
         steps = max(steps, engine.autotuning_end_profile_step() + 2)
@@ -89,7 +110,10 @@ def main() -> None:
         loss = spec.loss(engine, cast_floating(pool[step % len(pool)], dtype))
         engine.backward(loss)
         engine.step()  # counts micro-steps; steps the optimizer at each accumulation boundary
-    print(f"autotune_train: {steps} steps of {accumulation} x {micro} samples, last loss {loss.item():.4f}", flush=True)
+    print(
+        f"autotune_train: {steps} steps of {accumulation} x {micro} samples, last loss {loss.item():.4f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Bare DeepSpeed under torchrun, no Ray: the baseline that bench/bench.py compares ray_zero against.
 
-Each rank runs the very same `ray_zero.worker.train` as a Ray Train worker, on the same TrialSpec (built
+Each rank runs the very same `ray_zero.train.worker.train` as a Ray Train worker, on the same TrialSpec (built
 once by the launching process and pickled), with the same diagnostics marks; only the launcher differs:
 
     torchrun --standalone --nproc_per_node 2 bench/bare_deepspeed.py SPEC.pkl OUT_DIR
 
 Each rank writes its measurements, its diagnostics included, to OUT_DIR/rank{N}.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ray_zero.diagnostics import Diagnostics
-from ray_zero.worker import train
+from ray_zero.measure.diagnostics import Diagnostics
+from ray_zero.train.worker import train
 
 
 def main(spec_path: str, out_dir: str) -> None:

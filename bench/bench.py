@@ -1,17 +1,21 @@
 """ray_zero against bare DeepSpeed: the same configurations, one machine, one invocation.
 
-    python bench/bench.py experiments/quick.yaml --output /tmp/bench              # both ways, per worker count
+    python bench/bench.py experiments/quick.yaml --output /tmp/bench              # both ways, per worker
+    count
     python bench/bench.py experiments/quick.yaml --packing --output /tmp/bench    # then eight 1-worker trials
-    python bench/bench.py EXPERIMENT --set KEY=VALUE ... --throughput 5 --output /tmp/tp     # samples/s, repeated
-    python bench/bench.py ... --set 'grid.num_workers=[1]' --throughput 5 --side-by-side --output /tmp/sbs  # 2 GPUs
+    python bench/bench.py EXPERIMENT --set KEY=VALUE ... --throughput 5 --output /tmp/tp     # samples/s,
+    repeated
+    python bench/bench.py ... --set 'grid.num_workers=[1]' --throughput 5 --side-by-side --output /tmp/sbs  #
+    2 GPUs
 
 For each worker count: the points as bare DeepSpeed under torchrun (bench/bare_deepspeed.py: the same
-ray_zero.worker.train, no Ray), one after the other; then as a ray_zero sweep on a private Ray with room
+ray_zero.train.worker.train, no Ray), one after the other; then as a ray_zero sweep on a private Ray with room
 for exactly one trial of that size. bench.csv / bench.md, per trial: samples/s both ways and their ratio;
 the per-trial overhead, what the trial adds to the run beyond its timed steps (bare: torchrun's wall time;
 ray_zero: the previous trial's row to its own, a sweep's first trial from the sweep's call) minus timed_s;
 where that time went (wall-clock marks, slowest rank). The earlier bench.csv's column names are kept.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,17 +37,17 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ray_zero.cluster import local_cluster, plan_sweep  # noqa: E402
 from ray_zero.config import TrialSpec  # noqa: E402
 from ray_zero.experiment_file import load_experiment  # noqa: E402
-from ray_zero.models import describe_model  # noqa: E402
-from ray_zero.report import markdown_table  # noqa: E402
+from ray_zero.models.describe import describe_model  # noqa: E402
+from ray_zero.report.frame import markdown_table  # noqa: E402
 from ray_zero.rows import aggregate_ranks  # noqa: E402
+from ray_zero.run.plan import local_cluster, plan_sweep  # noqa: E402
+from ray_zero.run.sweep import run_sweep  # noqa: E402
 from ray_zero.store import atomic_write, load_trials, read_provenance  # noqa: E402
-from ray_zero.sweep import run_sweep  # noqa: E402
 
 # A trial's life as a chain of (phase, from mark, to mark). Marks are wall-clock times: each rank's
-# (ray_zero/diagnostics.py, taken inside ray_zero.worker.train under both launchers), the trial driver's
+# (ray_zero/diagnostics.py, taken inside ray_zero.train.worker.train under both launchers), the trial driver's
 # (fit_*), the sweep's (recorded_at, began_at) and, for bare runs, this process's (launched_at, exited_at).
 RANK_PHASES = [
     ("model build", "train_loop_started_at", "model_build_at"),
@@ -71,7 +75,9 @@ RAY_PHASES = [
 def slowest_rank(ranks: list[dict]) -> dict[str, float]:
     """Each mark from the rank that reached it last: a trial waits for its slowest rank."""
     names = {k for r in ranks for k in r if k.endswith("_at")}
-    return {k: max(r[k] for r in ranks) for k in names if all(isinstance(r.get(k), (int, float)) for r in ranks)}
+    return {
+        k: max(r[k] for r in ranks) for k in names if all(isinstance(r.get(k), (int, float)) for r in ranks)
+    }
 
 
 def phases(marks: dict[str, float], chain, prefix: str) -> dict[str, float]:
@@ -95,8 +101,13 @@ def only(experiment, **grid):
 
 def plan_and_model(experiment):
     """What a sweep on this whole machine would run (points, device, precision), and the model's figures."""
-    model = describe_model(experiment.model, experiment.model_options, experiment.seq_len, experiment.input_shape,
-                           experiment.num_classes)
+    model = describe_model(
+        experiment.model,
+        experiment.model_options,
+        experiment.seq_len,
+        experiment.input_shape,
+        experiment.num_classes,
+    )
     return plan_sweep(experiment, local_cluster()), model
 
 
@@ -109,22 +120,43 @@ def run_bare(spec: TrialSpec, workdir: Path, torchrun_args=(), env=None) -> dict
     """One trial as bare DeepSpeed under torchrun; its ranks aggregated as ray_zero aggregates them."""
     folder = Path(tempfile.mkdtemp(prefix=f"{spec.name}-", dir=workdir))
     (folder / "spec.pkl").write_bytes(pickle.dumps(spec))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={spec.point.num_workers}", *torchrun_args,
-               str(ROOT / "bench" / "bare_deepspeed.py"), str(folder / "spec.pkl"), str(folder)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={spec.point.num_workers}",
+        *torchrun_args,
+        str(ROOT / "bench" / "bare_deepspeed.py"),
+        str(folder / "spec.pkl"),
+        str(folder),
+    ]
     # Ray sets OMP_NUM_THREADS to a worker's CPUs; torchrun would set 1 with a warning.
     threads = str(spec.experiment.runtime.cpus_per_worker)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads), **(env or {})}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads),
+        **(env or {}),
+    }
     launched_at = time.time()
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     exited_at = time.time()
     if done.returncode != 0:
         raise RuntimeError(f"bare run {spec.name} failed:\n{done.stderr[-3000:]}")
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(spec.point.num_workers)]
-    marks = {**slowest_rank([r["diagnostics"] for r in ranks]), "launched_at": launched_at, "exited_at": exited_at}
-    return {"trial": spec.name, **aggregate_ranks(ranks), "wall_s": exited_at - launched_at, "marks": marks,
-            **phases(marks, BARE_PHASES, "bare")}
+    marks = {
+        **slowest_rank([r["diagnostics"] for r in ranks]),
+        "launched_at": launched_at,
+        "exited_at": exited_at,
+    }
+    return {
+        "trial": spec.name,
+        **aggregate_ranks(ranks),
+        "wall_s": exited_at - launched_at,
+        "marks": marks,
+        **phases(marks, BARE_PHASES, "bare"),
+    }
 
 
 def sweep_alone(experiment, folder: Path, workers: int, use_gpu: bool, command: str) -> float:
@@ -135,8 +167,13 @@ def sweep_alone(experiment, folder: Path, workers: int, use_gpu: bool, command: 
     cpus = workers * experiment.runtime.cpus_per_worker
     # With GPUs the GPUs allow one trial at a time, and 2 CPUs at least: Ray starts no more worker processes
     # at once than it has CPUs, and a trial starts several (its driver, controller, workers).
-    ray.init(num_cpus=max(2, cpus) if use_gpu else cpus, num_gpus=workers if use_gpu else 0,
-             dashboard_host="127.0.0.1", configure_logging=False, log_to_driver=False)
+    ray.init(
+        num_cpus=max(2, cpus) if use_gpu else cpus,
+        num_gpus=workers if use_gpu else 0,
+        dashboard_host="127.0.0.1",
+        configure_logging=False,
+        log_to_driver=False,
+    )
     try:
         called_at = time.time()
         run_sweep(experiment, folder, command=command, diagnostics=True)
@@ -148,28 +185,48 @@ def sweep_alone(experiment, folder: Path, workers: int, use_gpu: bool, command: 
 def ray_rows(folder: Path, called_at: float) -> list[dict]:
     """The sweep's trials in the order their rows were recorded, each with what it added to the sweep:
     from the previous trial's row (the first trial: from the sweep's call) to its own."""
-    rows = sorted((r for r in load_trials(folder) if r["status"] != "skipped"), key=lambda r: r["recorded_at"])
+    rows = sorted(
+        (r for r in load_trials(folder) if r["status"] != "skipped"), key=lambda r: r["recorded_at"]
+    )
     out, began = [], called_at
     for row in rows:
         if row["status"] != "ok":
-            raise RuntimeError(f"ray_zero trial {row['trial']} in {folder}: {row['status']}: {row.get('error')}")
+            raise RuntimeError(
+                f"ray_zero trial {row['trial']} in {folder}: {row['status']}: {row.get('error')}"
+            )
         marks = {**slowest_rank(row["diagnostics"]), "began_at": began, "recorded_at": row["recorded_at"]}
-        out.append({**row, "ray_zero_wall_s": row["recorded_at"] - began, "marks": marks,
-                    **phases(marks, RAY_PHASES, "ray")})
+        out.append(
+            {
+                **row,
+                "ray_zero_wall_s": row["recorded_at"] - began,
+                "marks": marks,
+                **phases(marks, RAY_PHASES, "ray"),
+            }
+        )
         began = row["recorded_at"]
     return out
 
 
 def pair(bare: dict, ray_side: dict) -> dict:
     """The comparison columns of one trial (the earlier bench.csv's names and meanings)."""
-    bare_overhead, ray_overhead = bare["wall_s"] - bare["timed_s"], ray_side["ray_zero_wall_s"] - ray_side["timed_s"]
-    return {"trial": ray_side["trial"], "num_workers": ray_side["num_workers"],
-            "bare_samples_per_s": bare["samples_per_s"], "ray_zero_samples_per_s": ray_side["samples_per_s"],
-            "samples_per_s_ratio": ray_side["samples_per_s"] / bare["samples_per_s"],
-            "bare_wall_s": bare["wall_s"], "ray_zero_wall_s": ray_side["ray_zero_wall_s"],
-            "bare_timed_s": bare["timed_s"], "ray_zero_timed_s": ray_side["timed_s"],
-            "bare_overhead_s": bare_overhead, "ray_zero_overhead_s": ray_overhead,
-            "overhead_minus_bare_s": ray_overhead - bare_overhead}
+    bare_overhead, ray_overhead = (
+        bare["wall_s"] - bare["timed_s"],
+        ray_side["ray_zero_wall_s"] - ray_side["timed_s"],
+    )
+    return {
+        "trial": ray_side["trial"],
+        "num_workers": ray_side["num_workers"],
+        "bare_samples_per_s": bare["samples_per_s"],
+        "ray_zero_samples_per_s": ray_side["samples_per_s"],
+        "samples_per_s_ratio": ray_side["samples_per_s"] / bare["samples_per_s"],
+        "bare_wall_s": bare["wall_s"],
+        "ray_zero_wall_s": ray_side["ray_zero_wall_s"],
+        "bare_timed_s": bare["timed_s"],
+        "ray_zero_timed_s": ray_side["timed_s"],
+        "bare_overhead_s": bare_overhead,
+        "ray_zero_overhead_s": ray_overhead,
+        "overhead_minus_bare_s": ray_overhead - bare_overhead,
+    }
 
 
 def compare(experiment, output: Path) -> pd.DataFrame:
@@ -178,10 +235,15 @@ def compare(experiment, output: Path) -> pd.DataFrame:
         points = [p for p in plan.runnable if p.num_workers == workers]
         print(f"bench: bare DeepSpeed {', '.join(p.name for p in points)}, one after the other", flush=True)
         bare = {p.name: run_bare(bare_spec(experiment, p, plan, model, workdir), workdir) for p in points}
-        print(f"bench: ray_zero sweep of the same {len(points)} points, on a Ray with room for one "
-              f"{workers}-worker trial", flush=True)
+        print(
+            f"bench: ray_zero sweep of the same {len(points)} points, on a Ray with room for one "
+            f"{workers}-worker trial",
+            flush=True,
+        )
         folder = output / "ray_zero" / f"w{workers}"
-        called_at = sweep_alone(only(experiment, num_workers=workers), folder, workers, plan.use_gpu, "bench/bench.py")
+        called_at = sweep_alone(
+            only(experiment, num_workers=workers), folder, workers, plan.use_gpu, "bench/bench.py"
+        )
         for order, row in enumerate(ray_rows(folder, called_at), 1):
             b = bare[row["trial"]]
             phases_s = {k: v for k, v in {**b, **row}.items() if k.startswith(("bare ", "ray "))}
@@ -190,7 +252,9 @@ def compare(experiment, output: Path) -> pd.DataFrame:
 
 
 def side_by_side_pair(spec, single, folder: Path, workdir: Path, bare_gpu: str, delay_s: float):
-    """Bare on GPU `bare_gpu`, ray_zero on the other, at once; bare `delay_s` later. Returns (bare, called_at)."""
+    """Bare on GPU `bare_gpu`, ray_zero on the other, at once; bare `delay_s` later. Returns (bare,
+    called_at)."""
+
     def bare_later() -> dict:
         time.sleep(delay_s)
         return run_bare(spec, workdir, env={"CUDA_VISIBLE_DEVICES": bare_gpu})
@@ -208,7 +272,9 @@ def side_by_side_pair(spec, single, folder: Path, workdir: Path, bare_gpu: str, 
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
-def throughput(experiment, output: Path, repeats: int, side_by_side: bool, bare_delay_s: float) -> pd.DataFrame:
+def throughput(
+    experiment, output: Path, repeats: int, side_by_side: bool, bare_delay_s: float
+) -> pd.DataFrame:
     """Samples/s: each point `repeats` times, bare and ray_zero in turn, the first of each pair swapped every
     repeat, so that a drift of the machine hits both alike. With `side_by_side` both at once, a GPU each
     (swapped every repeat), bare started later so that the timed steps coincide. Each ray_zero run is a
@@ -224,14 +290,24 @@ def throughput(experiment, output: Path, repeats: int, side_by_side: bool, bare_
                 bare, called_at = side_by_side_pair(spec, single, folder, workdir, bare_gpu, bare_delay_s)
             else:
                 bare = run_bare(spec, workdir) if first == "bare" else None
-                called_at = sweep_alone(single, folder, point.num_workers, plan.use_gpu, "bench/bench.py --throughput")
+                called_at = sweep_alone(
+                    single, folder, point.num_workers, plan.use_gpu, "bench/bench.py --throughput"
+                )
                 bare = bare or run_bare(spec, workdir)
             ray_side = ray_rows(folder, called_at)[0]
-            record = {"trial": point.name, "repeat": repeat, "first": first,  # a sweep's first trial, each
-                      **{k.replace("ray_zero_overhead", "ray_zero_first_trial_overhead"): v
-                         for k, v in pair(bare, ray_side).items()}}
+            record = {
+                "trial": point.name,
+                "repeat": repeat,
+                "first": first,  # a sweep's first trial, each
+                **{
+                    k.replace("ray_zero_overhead", "ray_zero_first_trial_overhead"): v
+                    for k, v in pair(bare, ray_side).items()
+                },
+            }
             if side_by_side:  # the share of the timed steps that ran together; the next bare start, shifted
-                (b0, b1), (r0, r1) = [(m["warmed_up_at"], m["finished_at"]) for m in (bare["marks"], ray_side["marks"])]
+                (b0, b1), (r0, r1) = [
+                    (m["warmed_up_at"], m["finished_at"]) for m in (bare["marks"], ray_side["marks"])
+                ]
                 record["timed_overlap"] = max(0.0, min(b1, r1) - max(b0, r0)) / max(b1 - b0, r1 - r0)
                 bare_delay_s = max(0.0, bare_delay_s + r0 - b0)
             records.append(record)
@@ -241,34 +317,58 @@ def throughput(experiment, output: Path, repeats: int, side_by_side: bool, bare_
 
 def throughput_summary(table: pd.DataFrame) -> pd.DataFrame:
     ratios = table.groupby("trial", sort=False)["samples_per_s_ratio"]
-    return pd.DataFrame({"pairs": ratios.size(), "median_ratio": ratios.median(),
-                         "geometric_mean_ratio": ratios.apply(statistics.geometric_mean),
-                         "min_ratio": ratios.min(), "max_ratio": ratios.max()}).reset_index()
+    return pd.DataFrame(
+        {
+            "pairs": ratios.size(),
+            "median_ratio": ratios.median(),
+            "geometric_mean_ratio": ratios.apply(statistics.geometric_mean),
+            "min_ratio": ratios.min(),
+            "max_ratio": ratios.max(),
+        }
+    ).reset_index()
 
 
 def packing(experiment, output: Path) -> dict:
     """Eight 1-worker trials on the whole machine (run_sweep's own private Ray): the span from the first
     fit() to the last over the sum of the trials' fit() times (1 / trials at once, at best)."""
     # No early starts: a trial's fit() time is then its own, not a wait for a free GPU.
-    eight = only(experiment.model_copy(update={"runtime": experiment.runtime.model_copy(update={"overlap_startup": False})}),
-                 stage=[0, 1], micro_batch_size=[16, 32, 48, 64], num_workers=1)
+    eight = only(
+        experiment.model_copy(
+            update={"runtime": experiment.runtime.model_copy(update={"overlap_startup": False})}
+        ),
+        stage=[0, 1],
+        micro_batch_size=[16, 32, 48, 64],
+        num_workers=1,
+    )
     run_sweep(eight, output / "packing", command="bench/bench.py --packing", diagnostics=True)
     rows = [r for r in load_trials(output / "packing") if r["status"] == "ok"]
-    span = (max(r["diagnostics"][0]["fit_finished_at"] for r in rows)
-            - min(r["diagnostics"][0]["fit_started_at"] for r in rows))
+    span = max(r["diagnostics"][0]["fit_finished_at"] for r in rows) - min(
+        r["diagnostics"][0]["fit_started_at"] for r in rows
+    )
     summed = sum(r["wall_s"] for r in rows)
-    return {"trials": len(rows), "sum_of_trial_walls_s": summed, "first_start_to_last_finish_s": span,
-            "ratio": span / summed, "max_concurrent_trials": read_provenance(output / "packing")["max_concurrent_trials"]}
+    return {
+        "trials": len(rows),
+        "sum_of_trial_walls_s": summed,
+        "first_start_to_last_finish_s": span,
+        "ratio": span / summed,
+        "max_concurrent_trials": read_provenance(output / "packing")["max_concurrent_trials"],
+    }
 
 
 def provenance(folder: Path) -> dict:
     """A sweep's machine, versions and date, with this benchmark's command; not its cluster lines (a Ray
     sized for one trial, not the machine)."""
-    prov = {k: v for k, v in (read_provenance(folder) or {}).items()
-            if k not in ("experiment", "question", "cluster", "max_concurrent_trials")}
-    return {**prov, "command": shlex.join(["python", "bench/bench.py", *sys.argv[1:]]),
-            "bare": "torchrun --standalone, OMP_NUM_THREADS as Ray sets it (runtime.cpus_per_worker)",
-            "ray_zero": "a private Ray with room for exactly one trial (per worker count; per run with --throughput)"}
+    prov = {
+        k: v
+        for k, v in (read_provenance(folder) or {}).items()
+        if k not in ("experiment", "question", "cluster", "max_concurrent_trials")
+    }
+    return {
+        **prov,
+        "command": shlex.join(["python", "bench/bench.py", *sys.argv[1:]]),
+        "bare": "torchrun --standalone, OMP_NUM_THREADS as Ray sets it (runtime.cpus_per_worker)",
+        "ray_zero": "a private Ray with room for exactly one trial (per worker count; per run with --throughput)",  # noqa: E501
+    }
 
 
 def main() -> None:
@@ -277,13 +377,28 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="as for ray_zero sweep")
     parser.add_argument("--packing", action="store_true", help="then time a grid of eight 1-worker trials")
     parser.add_argument("--only-packing", action="store_true", help="time the eight 1-worker trials only")
-    parser.add_argument("--throughput", type=int, metavar="R", default=0,
-                        help="instead: samples/s only, each point R times, bare and ray_zero alternating")
-    parser.add_argument("--side-by-side", action="store_true",
-                        help="with --throughput, 1-worker points, 2 GPUs: bare and ray_zero at once, a GPU each")
-    parser.add_argument("--bare-delay", type=float, default=15.0, metavar="S",
-                        help="with --side-by-side: start the first bare run S s after the sweep (default 15)")
-    parser.add_argument("--output", type=Path, required=True, help="a new folder: bench.md, bench.csv, the sweeps")
+    parser.add_argument(
+        "--throughput",
+        type=int,
+        metavar="R",
+        default=0,
+        help="instead: samples/s only, each point R times, bare and ray_zero alternating",
+    )
+    parser.add_argument(
+        "--side-by-side",
+        action="store_true",
+        help="with --throughput, 1-worker points, 2 GPUs: bare and ray_zero at once, a GPU each",
+    )
+    parser.add_argument(
+        "--bare-delay",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="with --side-by-side: start the first bare run S s after the sweep (default 15)",
+    )
+    parser.add_argument(
+        "--output", type=Path, required=True, help="a new folder: bench.md, bench.csv, the sweeps"
+    )
     args = parser.parse_args()
     if args.output.is_dir() and any(args.output.iterdir()):
         parser.error(f"--output {args.output} is not empty: give a new folder")  # the sweeps would refuse it
@@ -291,16 +406,21 @@ def main() -> None:
     if args.side_by_side:
         cluster = local_cluster()
         if not args.throughput or experiment.grid.num_workers != [1] or cluster.gpus < 2:
-            parser.error("--side-by-side needs --throughput R, --set 'grid.num_workers=[1]' and 2 GPUs "
-                         f"(this machine has {cluster.gpus})")
+            parser.error(
+                "--side-by-side needs --throughput R, --set 'grid.num_workers=[1]' and 2 GPUs "
+                f"(this machine has {cluster.gpus})"
+            )
     args.output.mkdir(parents=True, exist_ok=True)
     title, sections = f"# ray_zero vs bare DeepSpeed: {experiment.name}", []
     if args.throughput:
         table = throughput(experiment, args.output, args.throughput, args.side_by_side, args.bare_delay)
         prov = provenance(next((args.output / "throughput").iterdir()))
-        sections = ["## Samples/s, bare and ray_zero in turn" + (" (side by side)" if args.side_by_side else ""),
-                    markdown_table(table, list(table.columns)),
-                    "## Per point", markdown_table(summary := throughput_summary(table), list(summary.columns))]
+        sections = [
+            "## Samples/s, bare and ray_zero in turn" + (" (side by side)" if args.side_by_side else ""),
+            markdown_table(table, list(table.columns)),
+            "## Per point",
+            markdown_table(summary := throughput_summary(table), list(summary.columns)),
+        ]
         name = "throughput"
     else:
         prov, name = {}, "bench"
@@ -312,15 +432,22 @@ def main() -> None:
             where = table.set_index("trial")[[c for c in chain if c in table.columns]].T
             where = where.reset_index().rename(columns={"index": "phase"})
             figures = [c for c in table.columns if not c.startswith(("bare ", "ray "))]
-            sections = ["## Samples/s and per-trial overhead (s)", markdown_table(table, figures),
-                        "## Where each trial's time went (s, slowest rank; a column adds up to its wall_s)",
-                        markdown_table(where, list(where.columns))]
+            sections = [
+                "## Samples/s and per-trial overhead (s)",
+                markdown_table(table, figures),
+                "## Where each trial's time went (s, slowest rank; a column adds up to its wall_s)",
+                markdown_table(where, list(where.columns)),
+            ]
         if args.packing or args.only_packing:
             packed = packing(experiment, args.output)
             prov = prov or provenance(args.output / "packing")
             (args.output / "packing.json").write_text(json.dumps(packed, indent=1))
-            sections += ["## Packing: eight 1-worker trials",
-                         "\n".join(f"- {k}: {v:.3g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in packed.items())]
+            sections += [
+                "## Packing: eight 1-worker trials",
+                "\n".join(
+                    f"- {k}: {v:.3g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in packed.items()
+                ),
+            ]
     atomic_write(args.output / "provenance.json", json.dumps(prov, indent=1, default=str))
     text = "\n\n".join([title, "\n".join(f"- {k}: {v}" for k, v in prov.items()), *sections]) + "\n"
     atomic_write(args.output / f"{name}.md", text)

@@ -6,9 +6,10 @@ group that a failed start left reserved shows as a sweep that never ends.
     python bench/kill_timing.py 0 1 2 3            # seconds after the (first) worker process appears
     python bench/kill_timing.py --workers 2 0 1 2
 
-`attempts` counts the attempts whose ranks began training (ray_zero.trial.train_loop counts them as each
+`attempts` counts the attempts whose ranks began training (ray_zero.run.trial.train_loop counts them as each
 rank starts): a worker killed before it reached the training function leaves no attempt behind.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,7 +26,7 @@ import ray
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from ray_zero.experiment_file import load_experiment  # noqa: E402
-from ray_zero.sweep import run_sweep  # noqa: E402
+from ray_zero.run.sweep import run_sweep  # noqa: E402
 
 
 def train_worker() -> psutil.Process | None:
@@ -41,13 +42,24 @@ def train_worker() -> psutil.Process | None:
 
 
 def kill_after(delay_s: float, steps: int, patience_s: float, workers: int) -> str:
-    experiment = load_experiment(ROOT / "experiments" / "quick.yaml", [
-        f"steps={steps}", "warmup_steps=2", "grid.stage=[1]", f"grid.num_workers=[{workers}]",
-        "runtime.max_failures=1"])
+    experiment = load_experiment(
+        ROOT / "experiments" / "quick.yaml",
+        [
+            f"steps={steps}",
+            "warmup_steps=2",
+            "grid.stage=[1]",
+            f"grid.num_workers=[{workers}]",
+            "runtime.max_failures=1",
+        ],
+    )
     result: dict = {}
     started = time.time()
-    sweep = threading.Thread(target=lambda: result.update(
-        frame=run_sweep(experiment, Path(tempfile.mkdtemp()), command="bench/kill_timing.py")), daemon=True)
+    sweep = threading.Thread(
+        target=lambda: result.update(
+            frame=run_sweep(experiment, Path(tempfile.mkdtemp()), command="bench/kill_timing.py")
+        ),
+        daemon=True,
+    )
     sweep.start()
     victim = None
     while victim is None and time.time() - started < 120:
@@ -70,12 +82,21 @@ def kill_after(delay_s: float, steps: int, patience_s: float, workers: int) -> s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("delays", nargs="+", type=float, help="seconds after the worker process appears")
-    parser.add_argument("--steps", type=int, default=300, help="steps a trial trains (long enough to kill it in)")
+    parser.add_argument(
+        "--steps", type=int, default=300, help="steps a trial trains (long enough to kill it in)"
+    )
     parser.add_argument("--patience", type=float, default=300, help="seconds to wait for a sweep to end")
-    parser.add_argument("--workers", type=int, default=1, choices=(1, 2),
-                        help="workers of the trial (2: one of them is killed; a leaked group holds both CPUs)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="workers of the trial (2: one of them is killed; a leaked group holds both CPUs)",
+    )
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
     for delay in args.delays:

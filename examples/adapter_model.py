@@ -14,10 +14,11 @@ and output embeddings tied (one tensor), and buffers that are not parameters. Wh
     model: examples/adapter_model.py:build
     model_config: {vocab: 1000, width: 64, depth: 2, seq_len: 32}   # freeze_backbone: false trains it all
 
-Check it without Ray: `python -c "from ray_zero.models import describe_model as d;
+Check it without Ray: `python -c "from ray_zero.models.describe import describe_model as d;
 print(d('examples/adapter_model.py:build'))"`. Its task: a fixed substitution cipher, each input token
 to be mapped to another (a made-up task whose loss falls within a few steps).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ray_zero.model_spec import ModelSpec
+from ray_zero.models.spec import ModelSpec
 
 
 class Adapter(nn.Module):
@@ -62,7 +63,9 @@ class Block(nn.Module):
 class AdapterLM(nn.Module):
     """Token ids -> tied embedding + sinusoidal positions (a buffer) -> blocks -> norm -> tied head."""
 
-    def __init__(self, vocab: int, width: int, depth: int, seq_len: int, bottleneck: int, freeze: bool = True):
+    def __init__(
+        self, vocab: int, width: int, depth: int, seq_len: int, bottleneck: int, freeze: bool = True
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         nn.init.normal_(self.embed.weight, std=0.02)  # GPT-2's scale: a tied head's logits start small
@@ -84,8 +87,14 @@ class AdapterLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def build(vocab: int = 1000, width: int = 64, depth: int = 2, seq_len: int = 32, bottleneck: int = 16,
-          freeze_backbone: bool = True) -> ModelSpec:
+def build(
+    vocab: int = 1000,
+    width: int = 64,
+    depth: int = 2,
+    seq_len: int = 32,
+    bottleneck: int = 16,
+    freeze_backbone: bool = True,
+) -> ModelSpec:
     """The adapter model and its task, as a ModelSpec: random token ids, each to be enciphered.
     freeze_backbone=False trains every parameter (the same model fully fine-tuned)."""
     module = AdapterLM(vocab, width, depth, seq_len, bottleneck, freeze_backbone)

@@ -13,9 +13,10 @@ factory functions, no `.item()` or numpy at build time), and once per rank on th
     input_shape: [3, 32, 32]                         # ray_zero then makes random images of this shape,
     num_classes: 10                                  # uniform labels (10: the module has 10 outputs)
 
-Check a factory without Ray: `python -c "from ray_zero.models import describe_model as d;
+Check a factory without Ray: `python -c "from ray_zero.models.describe import describe_model as d;
 print(d('examples/my_model.py:build'))"`.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ray_zero.model_spec import ModelSpec
+from ray_zero.models.spec import ModelSpec
 
 
 class ResidualBlock(nn.Module):
@@ -81,7 +82,8 @@ def build(features: int = 32, width: int = 256, depth: int = 4) -> ModelSpec:
 
 def build_classifier(channels: int = 16) -> nn.Module:
     """A plain module: a small conv net mapping (n, 3, H, W) images to 10 logits. ray_zero finds its
-    repeated layers (the Sequential of ConvBlocks) itself; the experiment gives input_shape and num_classes."""
+    repeated layers (the Sequential of ConvBlocks) itself; the experiment gives input_shape and
+    num_classes."""
     return nn.Sequential(
         nn.Conv2d(3, channels, kernel_size=3, padding=1),
         nn.Sequential(*(ConvBlock(channels) for _ in range(3))),

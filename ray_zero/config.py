@@ -4,6 +4,7 @@ TrialSpec that carries one point, typed, from the sweep to every rank.
 Every field has a one-line docstring (shown by `python -m ray_zero keys`). Reading YAML, `--set`
 overrides and the one-line messages live in ray_zero/experiment_file.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,15 +16,24 @@ from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ray_zero.sizes import PRESETS
+from ray_zero.models.presets import PRESETS
 
 if TYPE_CHECKING:
-    from ray_zero.models import ModelInfo
+    from ray_zero.models.describe import ModelInfo
 
 Stage = Literal[0, 1, 2, 3]
-SECRET_QUERY_KEYS = {"access_key", "secret_key", "session_token", "password", "token", "sas_token",
-                     "account_key"}
-PositiveInt = Field(gt=0)
+SECRET_QUERY_KEYS = {
+    "access_key",
+    "secret_key",
+    "session_token",
+    "password",
+    "token",
+    "sas_token",
+    "account_key",
+}
+DEFAULT_BUCKET_ELEMENTS = 50_000_000
+"""ZeRO's reduce and all-gather buckets, in elements: 5e7 as in the seed tutorial (DeepSpeed's default is
+5e8)."""
 
 
 class ConfigError(ValueError):
@@ -32,8 +42,14 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     # strict: YAML's "8" (a string) or `true` must not silently become an integer.
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True, frozen=True,
-                              populate_by_name=True, serialize_by_alias=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        use_attribute_docstrings=True,
+        frozen=True,
+        populate_by_name=True,
+        serialize_by_alias=True,
+    )
 
 
 BACKEND_STAGES = {"deepspeed": (0, 1, 2, 3), "torch_zero": (0, 1), "fsdp": (2, 3)}
@@ -41,10 +57,15 @@ BACKEND_STAGES = {"deepspeed": (0, 1, 2, 3), "torch_zero": (0, 1), "fsdp": (2, 3
 FSDP2 keeps gradients sharded (stage 2, reshard_after_forward=False) and parameters too (stage 3)."""
 Backend = Literal["deepspeed", "torch_zero", "fsdp"]
 Offload = Literal["none", "cpu"]
+OFFLOADS = ("none", "cpu")
 
 
 def unsupported(backend: str, stage: int, offload_optimizer: str = "none") -> Optional[str]:
-    """Why an engine cannot run this point, in one phrase; None when it can."""
+    """Why no engine can run this point, in one phrase; None when one can."""
+    if backend not in BACKEND_STAGES:
+        return f"backend must be one of {', '.join(BACKEND_STAGES)}, not {backend!r}"
+    if offload_optimizer not in OFFLOADS:
+        return f"offload_optimizer must be one of {', '.join(OFFLOADS)}, not {offload_optimizer!r}"
     if stage not in BACKEND_STAGES[backend]:
         return f"{backend} has stages {', '.join(map(str, BACKEND_STAGES[backend]))}, not {stage}"
     if offload_optimizer != "none" and (backend != "deepspeed" or stage == 0):
@@ -68,7 +89,8 @@ class Point:
         """deepspeed points keep the short names of earlier results (stage1_mb64_w2)."""
         prefix = "" if self.backend == "deepspeed" else f"{self.backend}_"
         suffix = ("_ac" if self.activation_checkpointing else "") + (
-            f"_offload{self.offload_optimizer}" if self.offload_optimizer != "none" else "")
+            f"_offload{self.offload_optimizer}" if self.offload_optimizer != "none" else ""
+        )
         return f"{prefix}stage{self.stage}_mb{self.micro_batch_size}_w{self.num_workers}{suffix}"
 
     def replace(self, **changes: Any) -> "Point":
@@ -94,8 +116,15 @@ class Grid(_Strict):
     """DeepSpeed ZeRO-Offload: cpu keeps the optimizer states and fp32 master weights in CPU memory
     and steps them there (DeepSpeed stages 1-3 only)."""
 
-    @field_validator("backend", "stage", "micro_batch_size", "num_workers", "activation_checkpointing",
-                     "offload_optimizer", mode="before")
+    @field_validator(
+        "backend",
+        "stage",
+        "micro_batch_size",
+        "num_workers",
+        "activation_checkpointing",
+        "offload_optimizer",
+        mode="before",
+    )
     @classmethod
     def _scalar_to_list(cls, value: Any) -> Any:
         return value if isinstance(value, list) else [value]
@@ -119,25 +148,36 @@ class Grid(_Strict):
                     if reason:
                         raise ValueError(f"{reason} (grid.backend, grid.stage, grid.offload_optimizer)")
         elif not self.points():
-            raise ValueError("no combination of grid.backend, grid.stage and grid.offload_optimizer is "
-                             f"supported ({', '.join(f'{b}: stages {s}' for b, s in BACKEND_STAGES.items())})")
+            raise ValueError(
+                "no combination of grid.backend, grid.stage and grid.offload_optimizer is "
+                f"supported ({', '.join(f'{b}: stages {s}' for b, s in BACKEND_STAGES.items())})"
+            )
         return self
 
     def _all_points(self) -> list[Point]:
-        return [Point(b, s, m, w, ac, o) for b, s, m, w, ac, o in itertools.product(
-            dict.fromkeys(self.backend), sorted(set(self.stage)), sorted(set(self.micro_batch_size)),
-            sorted(set(self.num_workers)), sorted(set(self.activation_checkpointing)),
-            dict.fromkeys(self.offload_optimizer))]
+        return [
+            Point(b, s, m, w, ac, o)
+            for b, s, m, w, ac, o in itertools.product(
+                dict.fromkeys(self.backend),
+                sorted(set(self.stage)),
+                sorted(set(self.micro_batch_size)),
+                sorted(set(self.num_workers)),
+                sorted(set(self.activation_checkpointing)),
+                dict.fromkeys(self.offload_optimizer),
+            )
+        ]
 
     def points(self) -> list[Point]:
         """The grid points the engines can run, in the order the table lists them."""
-        return [p for p in self._all_points()
-                if unsupported(p.backend, p.stage, p.offload_optimizer) is None]
+        return [p for p in self._all_points() if unsupported(p.backend, p.stage, p.offload_optimizer) is None]
 
     def points_unsupported(self) -> list[tuple[Point, str]]:
         """Combinations of several engines' lists that one engine lacks, with the reason."""
-        return [(p, reason) for p in self._all_points()
-                if (reason := unsupported(p.backend, p.stage, p.offload_optimizer))]
+        return [
+            (p, reason)
+            for p in self._all_points()
+            if (reason := unsupported(p.backend, p.stage, p.offload_optimizer))
+        ]
 
 
 class Optimizer(_Strict):
@@ -172,8 +212,13 @@ class Fault(_Strict):
     """Fire on this many attempts of a trial (1: the first attempt fails and a retry succeeds)."""
 
     def fires(self, point: Point, rank: int, step: int, attempt: int) -> bool:
-        return (self.rank == rank and self.step == step and attempt <= self.attempts
-                and self.stage in (None, point.stage) and self.micro_batch_size in (None, point.micro_batch_size))
+        return (
+            self.rank == rank
+            and self.step == step
+            and attempt <= self.attempts
+            and self.stage in (None, point.stage)
+            and self.micro_batch_size in (None, point.micro_batch_size)
+        )
 
 
 class Runtime(_Strict):
@@ -206,8 +251,10 @@ class Runtime(_Strict):
         parsed = urlsplit(value or "")
         secret_query = any(k.lower() in SECRET_QUERY_KEYS for k, _ in parse_qsl(parsed.query))
         if parsed.password or secret_query:
-            raise ValueError("must not contain credentials (they would be saved with the results); let "
-                             "pyarrow find them in the environment, e.g. AWS_ACCESS_KEY_ID, or an instance role")
+            raise ValueError(
+                "must not contain credentials (they would be saved with the results); let "
+                "pyarrow find them in the environment, e.g. AWS_ACCESS_KEY_ID, or an instance role"
+            )
         return value
 
 
@@ -226,7 +273,8 @@ class Experiment(_Strict):
     Transformers model from its configuration class, e.g. hf:gpt2); timm:NAME; or your own factory,
     package.module:function or path/to/file.py:function."""
     model_options: dict[str, Any] = Field(default_factory=dict, alias="model_config")
-    """(YAML key `model_config`) Keyword arguments of the model: the Transformers config's keys, timm.create_model's, or the factory's."""
+    """(YAML key `model_config`) Keyword arguments of the model: the Transformers config's keys,
+    timm.create_model's, or the factory's."""
     seq_len: Optional[int] = Field(default=None, gt=0)
     """Tokens per sample for language models (default: the model's maximum positions, at most 1024)."""
     input_shape: Optional[list[int]] = None
@@ -252,9 +300,9 @@ class Experiment(_Strict):
     """Micro-batches per optimizer step."""
     optimizer: Optimizer = Optimizer()
     """The optimizer every engine builds."""
-    reduce_bucket_size: int = Field(default=50_000_000, gt=0)
+    reduce_bucket_size: int = Field(default=DEFAULT_BUCKET_ELEMENTS, gt=0)
     """ZeRO reduce bucket, in elements (5e7 as in the seed tutorial; DeepSpeed's default is 5e8)."""
-    allgather_bucket_size: int = Field(default=50_000_000, gt=0)
+    allgather_bucket_size: int = Field(default=DEFAULT_BUCKET_ELEMENTS, gt=0)
     """ZeRO-1/2 all-gather bucket, in elements."""
     seed: int = 0
     """Seed for weights, data order and synthetic data."""
@@ -289,8 +337,10 @@ class Experiment(_Strict):
         if self.device == "cpu" and self.precision == "fp16":
             raise ValueError("precision fp16 needs a GPU; on CPU use fp32 or bf16")
         if self.dataset == "mnist" and not self.is_preset():
-            raise ValueError(f"dataset: mnist is for the presets ({', '.join(PRESET_NAMES)}); "
-                             f"model {self.model} trains on synthetic batches (dataset: synthetic or auto)")
+            raise ValueError(
+                f"dataset: mnist is for the presets ({', '.join(PRESET_NAMES)}); "
+                f"model {self.model} trains on synthetic batches (dataset: synthetic or auto)"
+            )
         if self.epochs is not None and self.resolved_dataset() == "synthetic":
             raise ValueError("epochs need a dataset (mnist); synthetic data trains for steps")
         return self

@@ -3,6 +3,7 @@
 A ConfigError's message is one line naming the key and what is allowed; the CLI prints it and exits
 (status 2) before Ray starts.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,11 +18,14 @@ from ray_zero.config import ConfigError, Experiment, Runtime
 
 # ---------------------------------------------------------------- loading, overrides, messages
 
+
 def load_experiment(path: Union[str, Path], overrides: tuple[str, ...] | list[str] = ()) -> Experiment:
     """Read a YAML experiment, apply `KEY=VALUE` overrides, validate. Raises ConfigError."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"experiment file not found: {path} (give a YAML file, e.g. experiments/quick.yaml)")
+        raise ConfigError(
+            f"experiment file not found: {path} (give a YAML file, e.g. experiments/quick.yaml)"
+        )
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
@@ -32,8 +36,9 @@ def load_experiment(path: Union[str, Path], overrides: tuple[str, ...] | list[st
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the file must hold a mapping of keys (name: ..., grid: ...), "
-                          f"not a {type(raw).__name__}")
+        raise ConfigError(
+            f"{path}: the file must hold a mapping of keys (name: ..., grid: ...), not a {type(raw).__name__}"
+        )
     raw.setdefault("name", path.stem)
     return validate_experiment(raw, overrides, source=str(path))
 
@@ -54,18 +59,21 @@ def apply_override(raw: dict, item: str) -> None:
     key = key.strip()
     parts = key.split(".")
     if not sep or not key or any(not p for p in parts):
-        raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted KEY, "
-                          "e.g. --set steps=8 or --set grid.num_workers=[1,2]")
+        raise ConfigError(
+            f"--set {item!r}: expected KEY=VALUE with a dotted KEY, "
+            "e.g. --set steps=8 or --set grid.num_workers=[1,2]"
+        )
     try:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
-        raise ConfigError(f"--set {item!r}: the value is not valid YAML "
-                          "(lists as [1,2], strings as text or 'quoted')") from None
+        raise ConfigError(
+            f"--set {item!r}: the value is not valid YAML (lists as [1,2], strings as text or 'quoted')"
+        ) from None
     node = raw
     for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {item!r}: {'.'.join(parts[:depth + 1])} is a value, not a section")
+            raise ConfigError(f"--set {item!r}: {'.'.join(parts[: depth + 1])} is a value, not a section")
         node = child
     node[parts[-1]] = value
 
@@ -103,8 +111,13 @@ def describe_validation_error(error: ValidationError) -> str:
     """One line for the first problem: the key, what is wrong, what is allowed."""
     first = error.errors(include_url=False)[0]
     # Drop pydantic's validator and union-branch names ('function-after', 'int', 'Fault') from the path.
-    loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and (
-        p.startswith("function-") or p[:1].isupper() or p in ("int", "float"))))
+    loc = tuple(
+        p
+        for p in first["loc"]
+        if not (
+            isinstance(p, str) and (p.startswith("function-") or p[:1].isupper() or p in ("int", "float"))
+        )
+    )
     where, kind = _where(loc), first["type"]
     if kind == "extra_forbidden":
         model = _model_at(loc)
@@ -118,7 +131,7 @@ def describe_validation_error(error: ValidationError) -> str:
         return f"{where}: required key is missing"
     message = first["msg"].removeprefix("Value error, ")
     if message.startswith("Input should"):
-        message = "should" + message[len("Input should"):]
+        message = "should" + message[len("Input should") :]
     if kind == "value_error":  # our own validators' messages already say what is allowed
         return f"{where}: {message}" if loc else message
     shown = first.get("input")

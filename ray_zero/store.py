@@ -5,6 +5,7 @@ at the storage path. Needs neither Ray nor torch.
 Every file is written to a temporary name and renamed into place, so a crash mid-sweep never leaves a
 truncated table behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,21 @@ import yaml
 
 EXPERIMENT_FILE = "experiment.yaml"
 TRIALS_FILE = "trials.jsonl"
-PUBLISHED = ("results.csv", "results.md", "per_rank.csv", "diagnostics.csv", "report.html", EXPERIMENT_FILE,
-             TRIALS_FILE, "fit.csv", "fit.md", "best_ds_config.json", "best_config.json", "best_command.txt",
-             "calibration.json")
+PUBLISHED = (
+    "results.csv",
+    "results.md",
+    "per_rank.csv",
+    "diagnostics.csv",
+    "report.html",
+    EXPERIMENT_FILE,
+    TRIALS_FILE,
+    "fit.csv",
+    "fit.md",
+    "best_ds_config.json",
+    "best_config.json",
+    "best_command.txt",
+    "calibration.json",
+)
 
 
 def atomic_write(path: Path, text: str) -> None:

@@ -6,15 +6,17 @@ Why not `python -m ray_zero sweep`: a Ray Train run costs 12-14 s over bare Deep
 H200 (bench/README.md), and the zoo is some 180 short runs; a device lease is 30 minutes. So each family
 and precision runs in one fresh process holding one rank (torch.distributed, nccl on GPU, gloo on CPU),
 which trains every point and calibration probe in turn with the rank code of a sweep
-(`ray_zero.worker.train`), on a copy of the model built once, and makes the rows with the sweep's code
+(`ray_zero.train.worker.train`), on a copy of the model built once, and makes the rows with the sweep's code
 (rows.py, calibration.py, report.py). Between runs the rank frees what the run held and checks that
 allocated memory is back where it started (`leftover_gib` in trials.jsonl: a run that began above it
 would measure a higher peak; Engine.close lets DeepSpeed go). The grid's points run first; calibration after.
 
     python scripts/zoo.py experiments/zoo_*.yaml --precision bf16 fp16 --output results/zoo-h200
     python scripts/zoo.py experiments/zoo_resnet50.yaml --precision bf16 --output /tmp/zoo --set device=auto \
-        --set model=timm:resnet18 --set 'input_shape=[3,64,64]' --set 'grid.micro_batch_size=[4]'  # CPU, small
+        --set model=timm:resnet18 --set 'input_shape=[3,64,64]' --set 'grid.micro_batch_size=[4]'  # CPU,
+        small
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +24,6 @@ import dataclasses
 import datetime as dt
 import gc
 import importlib.metadata
-import json
 import os
 import platform
 import subprocess
@@ -33,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-GIB = 1024 ** 3
+GIB = 1024**3
 
 
 def _versions() -> dict[str, str]:
@@ -51,12 +52,21 @@ def _provenance(experiment, precision: str, device, command: str) -> dict:
 
     gpu = f"1 x {torch.cuda.get_device_name(device)}" if device.type == "cuda" else "none"
     memory = torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
-    return {"experiment": experiment.name, "question": experiment.question,
-            "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": command,
-            **_versions(), "ray": "not used (scripts/zoo.py: one rank in one process)", "driver_gpus": gpu,
-            "gpu_memory_gib": memory, "cpu": f"{platform.machine()} ({os.cpu_count()} logical CPUs)",
-            "cluster": "one process, one rank", "device": "gpu" if device.type == "cuda" else "cpu",
-            "precision": precision, "max_concurrent_trials": 1}
+    return {
+        "experiment": experiment.name,
+        "question": experiment.question,
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command,
+        **_versions(),
+        "ray": "not used (scripts/zoo.py: one rank in one process)",
+        "driver_gpus": gpu,
+        "gpu_memory_gib": memory,
+        "cpu": f"{platform.machine()} ({os.cpu_count()} logical CPUs)",
+        "cluster": "one process, one rank",
+        "device": "gpu" if device.type == "cuda" else "cpu",
+        "precision": precision,
+        "max_concurrent_trials": 1,
+    }
 
 
 def _release(device) -> int:
@@ -74,9 +84,9 @@ def _release(device) -> int:
 
 def _run(spec, device, pristine, baseline: int) -> dict:
     """One run of `spec` on this rank: its results row, as a sweep's trial makes it."""
-    from ray_zero.model_spec import copied
+    from ray_zero.models.spec import copied
     from ray_zero.rows import aggregate_ranks, failed_row_fields, trial_row
-    from ray_zero.worker import train
+    from ray_zero.train.worker import train
 
     row = trial_row(spec)
     leftover = _release(device) - baseline
@@ -98,8 +108,13 @@ def run_family(path: str, precisions: list[str], output: Path, overrides: list[s
     import torch.distributed as dist
 
     on_gpu = torch.cuda.is_available()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("ZOO_PORT", "29517"), RANK="0",
-                      LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=os.environ.get("ZOO_PORT", "29517"),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+    )
     if on_gpu:
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if on_gpu else "gloo", rank=0, world_size=1)
@@ -113,34 +128,52 @@ def run_one(path: str, precision: str, output: Path, overrides: list[str], comma
     import torch
     import yaml
 
-    from ray_zero import calibration
-    from ray_zero.cluster import Cluster, plan_sweep
     from ray_zero.config import TrialSpec
     from ray_zero.experiment_file import load_experiment
-    from ray_zero.models import build_model_spec, describe_model
-    from ray_zero.report import write_pages, write_results
+    from ray_zero.measure import calibration
+    from ray_zero.models.describe import build_model_spec, describe_model
+    from ray_zero.report.tables import write_pages, write_results
     from ray_zero.rows import finish_row, skipped_row
+    from ray_zero.run.plan import Cluster, plan_sweep
     from ray_zero.store import EXPERIMENT_FILE, append_trial, atomic_write
 
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     experiment = load_experiment(path, [*overrides, f"precision={precision}"]).with_absolute_paths()
-    model = describe_model(experiment.model, experiment.model_options, experiment.seq_len,
-                           experiment.input_shape, experiment.num_classes)
+    model = describe_model(
+        experiment.model,
+        experiment.model_options,
+        experiment.seq_len,
+        experiment.input_shape,
+        experiment.num_classes,
+    )
     cluster = Cluster(gpus=1 if on_gpu else 0, cpus=os.cpu_count() or 1, source="this process")
     plan = plan_sweep(experiment, cluster)
     output.mkdir(parents=True, exist_ok=True)
     provenance = _provenance(experiment, plan.precision, device, command)
-    atomic_write(output / EXPERIMENT_FILE, yaml.safe_dump(
-        {"experiment": experiment.model_dump(mode="json"), "model": dataclasses.asdict(model),
-         "provenance": provenance}, sort_keys=False))
+    atomic_write(
+        output / EXPERIMENT_FILE,
+        yaml.safe_dump(
+            {
+                "experiment": experiment.model_dump(mode="json"),
+                "model": dataclasses.asdict(model),
+                "provenance": provenance,
+            },
+            sort_keys=False,
+        ),
+    )
 
     def spec(point, length=experiment, label=""):
         return TrialSpec(length, point, plan.precision, on_gpu, model, str(output), label=label)
 
     torch.manual_seed(experiment.seed)
-    pristine = build_model_spec(experiment.model, experiment.model_options, experiment.seq_len,
-                                experiment.input_shape, experiment.num_classes)
+    pristine = build_model_spec(
+        experiment.model,
+        experiment.model_options,
+        experiment.seq_len,
+        experiment.input_shape,
+        experiment.num_classes,
+    )
     baseline = _release(device)
     probe = calibration.probe_experiment(experiment)
     # torch_zero last among the points and among the calibrations: on an H200, DDP left up to 4 bytes per
@@ -148,18 +181,23 @@ def run_one(path: str, precision: str, output: Path, overrides: list[str], comma
     last = lambda point: point.backend == "torch_zero"  # noqa: E731
     runs = [spec(p) for p in sorted(plan.runnable, key=last)] + [
         spec(p, probe, "calibration")
-        for p in sorted(calibration.calibration_points(experiment, model, plan.precision), key=last)]
+        for p in sorted(calibration.calibration_points(experiment, model, plan.precision), key=last)
+    ]
     rows = [skipped_row(spec(p), reason) for p, reason in plan.skipped]
     print(f"zoo: {experiment.name} {plan.precision}: {model.description}; {len(runs)} runs", flush=True)
     for run in runs:
         row = _run(run, device, pristine, baseline)
         rows.append(row)
         peak = row.get("peak_allocated_gib_max")
-        print(f"zoo:   {row['trial']}: {row['status']} peak {peak if peak is None else round(peak, 3)} GiB, "
-              f"leftover {row['leftover_gib']:.3f} GiB, {row['wall_s']:.1f} s"
-              + (f"; {row['error']}" if row.get("error") else ""), flush=True)
-    found = calibration.write_calibration(output, experiment, [r for r in rows if r["trial"].endswith("_calibration")],
-                                          on_gpu, plan.precision)
+        print(
+            f"zoo:   {row['trial']}: {row['status']} peak {peak if peak is None else round(peak, 3)} GiB, "
+            f"leftover {row['leftover_gib']:.3f} GiB, {row['wall_s']:.1f} s"
+            + (f"; {row['error']}" if row.get("error") else ""),
+            flush=True,
+        )
+    found = calibration.write_calibration(
+        output, experiment, [r for r in rows if r["trial"].endswith("_calibration")], on_gpu, plan.precision
+    )
     print(f"zoo:   {calibration.summary(found)}", flush=True)
     for row in rows:
         append_trial(output, finish_row(row, found))
@@ -171,15 +209,22 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("experiments", nargs="+", help="zoo experiment files")
     parser.add_argument("--precision", nargs="+", default=["bf16"], choices=["fp16", "bf16", "fp32"])
-    parser.add_argument("--output", type=Path, required=True, help="one folder per family and precision goes here")
+    parser.add_argument(
+        "--output", type=Path, required=True, help="one folder per family and precision goes here"
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting families after this long")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # the child's own run
     args = parser.parse_args()
     command = " ".join(["python", "scripts/zoo.py", *sys.argv[1:]])
     if args.one:
-        run_family(args.experiments[0], args.precision, args.output, args.overrides,
-                   os.environ.get("ZOO_COMMAND", command))
+        run_family(
+            args.experiments[0],
+            args.precision,
+            args.output,
+            args.overrides,
+            os.environ.get("ZOO_COMMAND", command),
+        )
         return 0
     started, failures = time.time(), 0
     for path in args.experiments:
@@ -189,8 +234,17 @@ def main() -> int:
             if left is not None and left < 30:
                 print(f"zoo: {name}: not run, {left:.0f} s of the budget left", flush=True)
                 continue
-            child = [sys.executable, __file__, path, "--precision", precision, "--output", str(args.output),
-                     "--one", *[f"--set={o}" for o in args.overrides]]
+            child = [
+                sys.executable,
+                __file__,
+                path,
+                "--precision",
+                precision,
+                "--output",
+                str(args.output),
+                "--one",
+                *[f"--set={o}" for o in args.overrides],
+            ]
             try:
                 done = subprocess.run(child, timeout=left, env={**os.environ, "ZOO_COMMAND": command})
                 failures += done.returncode != 0

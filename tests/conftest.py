@@ -1,5 +1,6 @@
 """Fixtures of the two test levels (tests/README.md): `ranks`, the rank-level harness (a rank's function
 under torch.distributed, no Ray), and `ray_instance` / `cli` for the tests whose subject is Ray."""
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,14 @@ def ray_instance():
 
 
 def _run_cli(*args: str, cwd: Path = ROOT, timeout: float = 120, env: dict | None = None):
-    return subprocess.run([sys.executable, "-m", "ray_zero", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "ray_zero", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.fixture(scope="session")

@@ -4,13 +4,14 @@ A `RankGroup` is `world_size` spawned processes under torch.distributed (gloo), 
 up its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, one process group, one thread per rank).
 They stay up between calls, so a test session pays for the processes and their imports (torch,
 DeepSpeed, Transformers) once per group size, not once per spec: `call(fn, ...)` runs `fn(rank,
-world_size, ...)` on every rank; `train(spec)` runs `ray_zero.worker.train` (the function a
+world_size, ...)` on every rank; `train(spec)` runs `ray_zero.train.worker.train` (the function a
 `TorchTrainer` worker runs) and `row(spec)` turns all ranks' results into the results row with the same
 code as the Ray path (ray_zero/rows.py).
 
 A rank that raises is reported with its exception; a group of several ranks is then stopped (its other
 ranks may be waiting in a collective that never completes) and started again by the next call.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -22,11 +23,11 @@ import traceback
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
-from ray_zero.cluster import Cluster, plan_sweep
 from ray_zero.config import Experiment, Point, TrialSpec
 from ray_zero.experiment_file import load_experiment
-from ray_zero.models import ModelInfo, describe_model
+from ray_zero.models.describe import ModelInfo, describe_model
 from ray_zero.rows import aggregate_ranks, failed_row_fields, finish_row, skipped_row, trial_row
+from ray_zero.run.plan import Cluster, plan_sweep
 
 READY_TIMEOUT_S = 180
 """Starting a rank: spawn, imports, the process group."""
@@ -45,11 +46,23 @@ def experiment_of(path: str | os.PathLike, *overrides: str) -> Experiment:
 
 def describe(experiment: Experiment) -> ModelInfo:
     """The driver's description of the experiment's model (meta device), once per model."""
-    key = repr((experiment.model, experiment.model_options, experiment.seq_len, experiment.input_shape,
-                experiment.num_classes))
+    key = repr(
+        (
+            experiment.model,
+            experiment.model_options,
+            experiment.seq_len,
+            experiment.input_shape,
+            experiment.num_classes,
+        )
+    )
     if key not in _DESCRIBED:
-        _DESCRIBED[key] = describe_model(experiment.model, experiment.model_options, experiment.seq_len,
-                                         experiment.input_shape, experiment.num_classes)
+        _DESCRIBED[key] = describe_model(
+            experiment.model,
+            experiment.model_options,
+            experiment.seq_len,
+            experiment.input_shape,
+            experiment.num_classes,
+        )
     return _DESCRIBED[key]
 
 
@@ -57,21 +70,27 @@ def trial_specs(experiment: Experiment, cluster: Cluster = LAPTOP) -> dict[str, 
     """Every runnable point's TrialSpec, by trial name, as a sweep on `cluster` would make them."""
     plan = plan_sweep(experiment, cluster)
     model = describe(experiment)
-    return {p.name: TrialSpec(experiment, p, plan.precision, plan.use_gpu, model, storage_path="unused")
-            for p in plan.runnable}
+    return {
+        p.name: TrialSpec(experiment, p, plan.precision, plan.use_gpu, model, storage_path="unused")
+        for p in plan.runnable
+    }
 
 
 def skipped_rows(experiment: Experiment, cluster: Cluster = LAPTOP) -> list[dict[str, Any]]:
     """The rows a sweep records for the points it does not run, with their reasons."""
     plan = plan_sweep(experiment, cluster)
     model = describe(experiment)
-    return [skipped_row(TrialSpec(experiment, p, plan.precision, plan.use_gpu, model, "unused"), reason)
-            for p, reason in plan.skipped]
+    return [
+        skipped_row(TrialSpec(experiment, p, plan.precision, plan.use_gpu, model, "unused"), reason)
+        for p, reason in plan.skipped
+    ]
 
 
 def trial_spec(experiment: Experiment, point: Point) -> TrialSpec:
     """One point's TrialSpec (a point of the grid or not), CPU, the experiment's precision."""
-    return TrialSpec(experiment, point, experiment.resolved_precision(False), False, describe(experiment), "unused")
+    return TrialSpec(
+        experiment, point, experiment.resolved_precision(False), False, describe(experiment), "unused"
+    )
 
 
 class RankFailed(Exception):
@@ -101,10 +120,17 @@ def _rank_main(rank: int, world_size: int, port: int, connection) -> None:
     import torch
     import torch.distributed as dist
 
-    from ray_zero.worker import jit_ops_dir
+    from ray_zero.train.worker import jit_ops_dir
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), TORCH_EXTENSIONS_DIR=jit_ops_dir(), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        TORCH_EXTENSIONS_DIR=jit_ops_dir(),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)  # as a Ray Train worker with one CPU: the ranks share the machine's cores
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     connection.send(("ready", None))
@@ -122,10 +148,10 @@ def _rank_main(rank: int, world_size: int, port: int, connection) -> None:
 
 
 def train_rank(rank: int, world_size: int, spec: TrialSpec, **kwargs) -> dict[str, Any]:
-    """A TorchTrainer worker's work on this rank (ray_zero.trial.train_loop calls the same `train`)."""
+    """A TorchTrainer worker's work on this rank (ray_zero.run.trial.train_loop calls the same `train`)."""
     import torch
 
-    from ray_zero.worker import train
+    from ray_zero.train.worker import train
 
     return train(spec, rank, world_size, torch.device("cpu"), **kwargs)
 
@@ -146,14 +172,18 @@ class RankGroup:
         self._processes, self._connections = [], []
         for rank in range(self.world_size):
             mine, theirs = context.Pipe()
-            process = context.Process(target=_rank_main, args=(rank, self.world_size, port, theirs), daemon=True)
+            process = context.Process(
+                target=_rank_main, args=(rank, self.world_size, port, theirs), daemon=True
+            )
             process.start()
             self._processes.append(process)
             self._connections.append(mine)
         for rank, connection in enumerate(self._connections):
             if not connection.poll(READY_TIMEOUT_S):
                 self.stop()
-                raise RuntimeError(f"rank {rank} of a {self.world_size}-rank group did not start in {READY_TIMEOUT_S} s")
+                raise RuntimeError(
+                    f"rank {rank} of a {self.world_size}-rank group did not start in {READY_TIMEOUT_S} s"
+                )
             connection.recv()
         self.starts += 1
 
@@ -205,8 +235,9 @@ class RankGroup:
                 try:
                     status, value = pending.pop(rank).recv()
                 except EOFError:  # the process died (killed, or a fault that kills it)
-                    errors[rank] = RuntimeError(f"rank {rank}'s process died (exit code "
-                                                f"{self._processes[rank].exitcode})")
+                    errors[rank] = RuntimeError(
+                        f"rank {rank}'s process died (exit code {self._processes[rank].exitcode})"
+                    )
                     continue
                 if status == "ok":
                     results[rank] = value
@@ -228,7 +259,7 @@ class RankGroup:
         return self.call(train_rank, spec, **kwargs)
 
     def row(self, spec: TrialSpec, **kwargs: Any) -> dict[str, Any]:
-        """The results row of one trial, as the Ray path makes it (ray_zero.trial.run_trial): status, all
+        """The results row of one trial, as the Ray path makes it (ray_zero.run.trial.run_trial): status, all
         ranks aggregated, the prediction beside them; `per_rank` holds each rank's dict."""
         row = trial_row(spec)
         try:

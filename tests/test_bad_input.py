@@ -1,7 +1,7 @@
 """Each kind of bad input: exit code 2, one line naming the problem and what is allowed, no traceback,
 and Ray never started (no dashboard line)."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 
@@ -13,19 +13,51 @@ CASES = [
     ("unknown key", [QUICK, "--set", "grid.stages=[0]"], "grid.stages: unknown key; did you mean 'stage'?"),
     ("wrong type", [QUICK, "--set", "steps=many"], "steps: should be a valid integer, got 'many'"),
     ("stage out of range", [QUICK, "--set", "grid.stage=[0,4]"], "should be 0, 1, 2 or 3, got 4"),
-    ("batch below one", [QUICK, "--set", "grid.micro_batch_size=[0]"], "micro_batch_size: must be integers of at least 1"),
-    ("workers below one", [QUICK, "--set", "grid.num_workers=[0,1]"], "num_workers: must be integers of at least 1"),
+    (
+        "batch below one",
+        [QUICK, "--set", "grid.micro_batch_size=[0]"],
+        "micro_batch_size: must be integers of at least 1",
+    ),
+    (
+        "workers below one",
+        [QUICK, "--set", "grid.num_workers=[0,1]"],
+        "num_workers: must be integers of at least 1",
+    ),
     ("no point fits", [QUICK, "--set", "grid.num_workers=[4096]"], "no grid point can run"),
     ("fp16 on cpu", [QUICK, "--set", "precision=fp16", "--set", "device=cpu"], "precision fp16 needs a GPU"),
-    ("retries below zero", [QUICK, "--set", "runtime.max_failures=-1"], "runtime.max_failures: should be greater than or equal to 0"),
+    (
+        "retries below zero",
+        [QUICK, "--set", "runtime.max_failures=-1"],
+        "runtime.max_failures: should be greater than or equal to 0",
+    ),
     ("launcher knob at the top", [QUICK, "--set", "cpus_per_worker=2"], "runtime.cpus_per_worker"),
-    ("engine without the stage", [QUICK, "--set", "grid.backend=fsdp", "--set", "grid.stage=[1]"], "fsdp has stages 2, 3, not 1"),
+    (
+        "engine without the stage",
+        [QUICK, "--set", "grid.backend=fsdp", "--set", "grid.stage=[1]"],
+        "fsdp has stages 2, 3, not 1",
+    ),
     ("unknown hf model type", [QUICK, "--set", "model=hf:gtp2"], "did you mean 'gpt2'"),
-    ("unknown hf config key", [QUICK, "--set", "model=hf:gpt2", "--set", "model_config.n_layers=2"], "n_layers"),
+    (
+        "unknown hf config key",
+        [QUICK, "--set", "model=hf:gpt2", "--set", "model_config.n_layers=2"],
+        "n_layers",
+    ),
     ("unknown timm model", [QUICK, "--set", "model=timm:vit_tinyy_patch16_224"], "vit_tiny_patch16_224"),
     ("factory not importable", [QUICK, "--set", "model=examples/nope.py:build"], "examples/nope.py"),
     ("seq_len beyond the model", [QUICK, "--set", "model=hf:gpt2", "--set", "seq_len=4096"], "4096"),
-    ("model states beyond memory", [QUICK, "--set", "model=hf:llama", "--set", "model_config={{hidden_size: 4096, num_hidden_layers: 16, intermediate_size: 11008, num_attention_heads: 32}}", "--set", "seq_len=16"], "GiB of model states"),
+    (
+        "model states beyond memory",
+        [
+            QUICK,
+            "--set",
+            "model=hf:llama",
+            "--set",
+            "model_config={{hidden_size: 4096, num_hidden_layers: 16, intermediate_size: 11008, num_attention_heads: 32}}",  # noqa: E501
+            "--set",
+            "seq_len=16",
+        ],
+        "GiB of model states",
+    ),
     ("missing file", ["{tmp}/nope.yaml"], "experiment file not found"),
     ("unwritable output", [QUICK, "--output", "{tmp}/a_file/out"], "is not writable"),
     ("malformed set", [QUICK, "--set", "steps"], "expected KEY=VALUE"),
@@ -36,7 +68,12 @@ CASES = [
 
 # These run as a user runs them, in a fresh process; the others call the same `main` in this process
 # (a new process per case costs 3-5 s of imports on 2 cores).
-IN_A_FRESH_PROCESS = {"malformed yaml", "unknown hf model type", "model states beyond memory", "unknown option"}
+IN_A_FRESH_PROCESS = {
+    "malformed yaml",
+    "unknown hf model type",
+    "model states beyond memory",
+    "unknown option",
+}
 
 
 def _files(tmp_path):

@@ -1,5 +1,7 @@
-"""bench/: a real bare-DeepSpeed run under torchrun (bench/bare_deepspeed.py, ray_zero.worker.train), its
+"""bench/: a real bare-DeepSpeed run under torchrun (bench/bare_deepspeed.py, ray_zero.train.worker.train),
+its
 phases adding up to its wall time, and compare_overhead.py over an old- and a new-format bench.csv."""
+
 from __future__ import annotations
 
 import subprocess
@@ -17,20 +19,34 @@ from ray_zero.experiment_file import load_experiment  # noqa: E402
 
 def test_phases_count_a_mark_earlier_than_the_last_from_the_last():
     # A worker process Ray started before fit() (a prestarted one): the trial waited from fit(), not before.
-    marks = {"began_at": 10.0, "fit_started_at": 11.0, "process_started_at": 5.0, "train_loop_started_at": 14.0}
+    marks = {
+        "began_at": 10.0,
+        "fit_started_at": 11.0,
+        "process_started_at": 5.0,
+        "train_loop_started_at": 14.0,
+    }
     got = bench.phases(marks, bench.RAY_PHASES[:3], "ray")
     assert list(got.values()) == [1.0, 0.0, 3.0]
     assert sum(got.values()) == marks["train_loop_started_at"] - marks["began_at"]
 
 
 def test_bare_run_measures_the_trial_and_its_phases_add_up(tmp_path):
-    experiment = load_experiment(ROOT / "experiments" / "quick.yaml", [
-        "steps=4", "warmup_steps=1", "grid.stage=[1]", "grid.num_workers=[1]"]).with_absolute_paths()
+    experiment = load_experiment(
+        ROOT / "experiments" / "quick.yaml",
+        ["steps=4", "warmup_steps=1", "grid.stage=[1]", "grid.num_workers=[1]"],
+    ).with_absolute_paths()
     plan, model = bench.plan_and_model(experiment)
     row = bench.run_bare(bench.bare_spec(experiment, plan.runnable[0], plan, model, tmp_path), tmp_path)
-    assert row["trial"] == "stage1_mb64_w1" and row["samples_per_s"] > 0 and 0 < row["timed_s"] < row["wall_s"]
+    assert (
+        row["trial"] == "stage1_mb64_w1" and row["samples_per_s"] > 0 and 0 < row["timed_s"] < row["wall_s"]
+    )
     marks = row["marks"]
-    assert marks["launched_at"] < marks["process_started_at"] < marks["train_loop_started_at"] < marks["model_build_at"]
+    assert (
+        marks["launched_at"]
+        < marks["process_started_at"]
+        < marks["train_loop_started_at"]
+        < marks["model_build_at"]
+    )
     assert marks["initialize_at"] < marks["warmed_up_at"] < marks["finished_at"] < marks["exited_at"]
     phases = {k: v for k, v in row.items() if k.startswith("bare ")}
     assert len(phases) == len(bench.BARE_PHASES) and min(phases.values()) >= 0
@@ -39,9 +55,15 @@ def test_bare_run_measures_the_trial_and_its_phases_add_up(tmp_path):
 
 def test_compare_overhead_reads_old_and_new_bench_csv(tmp_path):
     def write(name: str, overheads: list[float], with_workers: bool) -> Path:
-        frame = pd.DataFrame({"trial": ["stage0_mb64_w2", "stage1_mb64_w2"], "order_in_sweep": [1, 2],
-                              "ray_zero_overhead_s": overheads, "overhead_minus_bare_s": [o - 4 for o in overheads],
-                              "samples_per_s_ratio": [0.9, 0.95]})
+        frame = pd.DataFrame(
+            {
+                "trial": ["stage0_mb64_w2", "stage1_mb64_w2"],
+                "order_in_sweep": [1, 2],
+                "ray_zero_overhead_s": overheads,
+                "overhead_minus_bare_s": [o - 4 for o in overheads],
+                "samples_per_s_ratio": [0.9, 0.95],
+            }
+        )
         if with_workers:
             frame.insert(1, "num_workers", 2)
         frame.to_csv(tmp_path / name, index=False)
@@ -49,8 +71,19 @@ def test_compare_overhead_reads_old_and_new_bench_csv(tmp_path):
 
     old = [write("old1.csv", [20.0, 10.0], False), write("old2.csv", [20.0, 12.0], False)]
     new = [write("new1.csv", [30.0, 15.0], True)]
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "compare_overhead.py"), "--old", *map(str, old),
-                           "--new", *map(str, new)], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "compare_overhead.py"),
+            "--old",
+            *map(str, old),
+            "--new",
+            *map(str, new),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     text = done.stdout
     assert "old 2 from 2 runs, new 1 from 1 runs" in text and "2 workers: stage1_mb64_w2" in text
     # Only the second trials count: old 10 and 12 (median 11), new 15: new - old = +4.

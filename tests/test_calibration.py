@@ -2,36 +2,54 @@
 predicts when the line cannot be trusted. The fits on numbers (what GPU allocators gave on 2026-12-02:
 a ViT whose first micro-batch hid its activations), then real calibration trials of a tiny GPT-2 at rank
 level (CPU: autograd's saved bytes), written to calibration.json and read back by the memory model."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from rank_group import describe, experiment_of, trial_spec
-from ray_zero import calibration
-from ray_zero.memory_model import predict_point
 
-MIB = 2 ** 20
+from ray_zero.measure import calibration
+from ray_zero.measure.memory_model import predict_point
+
+MIB = 2**20
 
 
-def _rows(points: dict[int, float], backend: str = "deepspeed", autograd: dict[int, float] | None = None,
-          checkpointing: bool = False) -> list[dict]:
-    return [{"trial": f"{backend}_mb{m}_calibration", "backend": backend, "status": "ok", "micro_batch_size": m,
-             "activation_checkpointing": checkpointing, "micro_batch_rise_bytes_per_rank_max": rise,
-             "saved_for_backward_bytes_per_rank_max": (autograd or {}).get(m, rise)} for m, rise in points.items()]
+def _rows(
+    points: dict[int, float],
+    backend: str = "deepspeed",
+    autograd: dict[int, float] | None = None,
+    checkpointing: bool = False,
+) -> list[dict]:
+    return [
+        {
+            "trial": f"{backend}_mb{m}_calibration",
+            "backend": backend,
+            "status": "ok",
+            "micro_batch_size": m,
+            "activation_checkpointing": checkpointing,
+            "micro_batch_rise_bytes_per_rank_max": rise,
+            "saved_for_backward_bytes_per_rank_max": (autograd or {}).get(m, rise),
+        }
+        for m, rise in points.items()
+    ]
 
 
 def test_a_straight_line_gives_its_slope_and_an_ok_verdict():
-    [fit] = calibration.fit_lines(_rows({4: 500 * MIB + 4 * 90 * MIB, 8: 500 * MIB + 8 * 90 * MIB,
-                                         12: 500 * MIB + 12 * 90 * MIB}), on_gpu=True)
+    [fit] = calibration.fit_lines(
+        _rows({4: 500 * MIB + 4 * 90 * MIB, 8: 500 * MIB + 8 * 90 * MIB, 12: 500 * MIB + 12 * 90 * MIB}),
+        on_gpu=True,
+    )
     assert fit["verdict"] == "ok" and fit["bytes_per_sample"] == pytest.approx(90 * MIB)
     assert fit["intercept_bytes"] == pytest.approx(500 * MIB) and fit["max_residual_bytes"] < 1
 
 
 def test_doubtful_fits_say_why():
     # The ViT of 2026-12-02: its first micro-batch's rise was the gradients' (2.026 and 2.028 GiB peaks).
-    [zero] = calibration.fit_lines(_rows({1: 2.026 * 1024 * MIB, 2: 2.0262 * 1024 * MIB, 3: 2.0264 * 1024 * MIB}), True)
+    [zero] = calibration.fit_lines(
+        _rows({1: 2.026 * 1024 * MIB, 2: 2.0262 * 1024 * MIB, 3: 2.0264 * 1024 * MIB}), True
+    )
     assert zero["verdict"].startswith("doubtful: zero")
     [bent] = calibration.fit_lines(_rows({2: 100 * MIB, 4: 200 * MIB, 6: 500 * MIB}), True)
     assert bent["verdict"].startswith("doubtful: not linear")
@@ -45,18 +63,28 @@ def test_doubtful_fits_say_why():
 
 
 def test_each_engine_predicts_from_its_own_line_and_doubt_reaches_the_row(tmp_path):
-    experiment = experiment_of("experiments/tiny_models_cpu.yaml", "grid.backend=[deepspeed,torch_zero]",
-                               "grid.stage=[1]")
+    experiment = experiment_of(
+        "experiments/tiny_models_cpu.yaml", "grid.backend=[deepspeed,torch_zero]", "grid.stage=[1]"
+    )
     rows = _rows({2: 2 * 30 * MIB, 4: 4 * 30 * MIB, 6: 6 * 30 * MIB}) + _rows(
-        {2: 40 * MIB, 4: 200 * MIB, 6: 250 * MIB}, backend="torch_zero")
+        {2: 40 * MIB, 4: 200 * MIB, 6: 250 * MIB}, backend="torch_zero"
+    )
     written = calibration.write_calibration(tmp_path, experiment, rows, True, "bf16")
     assert json.loads((tmp_path / calibration.CALIBRATION_FILE).read_text()) == written
     assert written["by_backend"]["deepspeed"]["plain"] == pytest.approx(30 * MIB)
     assert "torch_zero: doubtful: not linear" in calibration.summary(written)
 
     def predicted(backend: str):
-        row = {"backend": backend, "params": 1000, "stage": 1, "num_workers": 1, "precision": "bf16",
-               "memory_kind": "cuda", "model": "hf:gpt2", "micro_batch_size": 10}
+        row = {
+            "backend": backend,
+            "params": 1000,
+            "stage": 1,
+            "num_workers": 1,
+            "precision": "bf16",
+            "memory_kind": "cuda",
+            "model": "hf:gpt2",
+            "micro_batch_size": 10,
+        }
         return predict_point(row, written)
 
     assert predicted("deepspeed").activation_bytes == pytest.approx(300 * MIB)
@@ -70,8 +98,15 @@ def test_each_engine_predicts_from_its_own_line_and_doubt_reaches_the_row(tmp_pa
 
 
 def _row_of():
-    return {"params": 1000, "stage": 2, "num_workers": 1, "precision": "bf16", "memory_kind": "cuda",
-            "model": "hf:gpt2", "micro_batch_size": 10}
+    return {
+        "params": 1000,
+        "stage": 2,
+        "num_workers": 1,
+        "precision": "bf16",
+        "memory_kind": "cuda",
+        "model": "hf:gpt2",
+        "micro_batch_size": 10,
+    }
 
 
 def test_sizes_make_activations_dominate_the_gradients():
@@ -82,11 +117,18 @@ def test_sizes_make_activations_dominate_the_gradients():
     # bf16: 45 MiB a sample against 2 x 200 MB of gradients: the smallest size holds 9 samples.
     assert calibration.calibration_sizes(Info(), "bf16") == [9, 18, 27]
     assert calibration.calibration_sizes(None) == [1, 2, 3]
-    experiment = experiment_of("experiments/tiny_models_cpu.yaml", "grid.backend=[deepspeed,torch_zero,fsdp]",
-                               "grid.stage=[2]", "grid.activation_checkpointing=[false,true]")
+    experiment = experiment_of(
+        "experiments/tiny_models_cpu.yaml",
+        "grid.backend=[deepspeed,torch_zero,fsdp]",
+        "grid.stage=[2]",
+        "grid.activation_checkpointing=[false,true]",
+    )
     points = calibration.calibration_points(experiment, Info(), "bf16")
-    assert {(p.backend, p.stage, p.num_workers) for p in points} == {("deepspeed", 0, 1), ("torch_zero", 0, 1),
-                                                                      ("fsdp", 2, 1)}
+    assert {(p.backend, p.stage, p.num_workers) for p in points} == {
+        ("deepspeed", 0, 1),
+        ("torch_zero", 0, 1),
+        ("fsdp", 2, 1),
+    }
     assert len(points) == 3 * 2 * 3  # engines x checkpointing x sizes
 
 
@@ -99,7 +141,9 @@ def test_real_calibration_trials_fit_a_line_on_a_rank(ranks, tmp_path):
     for point in calibration.calibration_points(experiment, model, "fp32"):
         spec = trial_spec(probe, point)
         rows.append(ranks(1).row(spec))
-    assert [r["status"] for r in rows] == ["ok"] * 3 and {r["steps"] for r in rows} == {calibration.CALIBRATION_STEPS}
+    assert [r["status"] for r in rows] == ["ok"] * 3 and {r["steps"] for r in rows} == {
+        calibration.CALIBRATION_STEPS
+    }
     found = calibration.write_calibration(tmp_path, experiment, rows, False, "fp32")
     [fit] = found["fits"]
     assert fit["verdict"] == "ok" and fit["bytes_per_sample"] > 0, fit

@@ -5,6 +5,7 @@ job for all of it: each cluster and each trial costs tens of seconds on the 2-co
 
 The cluster has its own ports and temp dir and is torn down (its processes killed) also when the test fails.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,13 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)
 # The job's `python` is the one on the PATH that `ray start` ran with: put this venv first.
-ENV = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
-       "RAY_metrics_report_interval_ms": "1000", "RAY_USAGE_STATS_ENABLED": "0"}
+ENV = {
+    **os.environ,
+    "PATH": f"{BIN}:{os.environ['PATH']}",
+    "RAY_AUTH_MODE": "token",
+    "RAY_metrics_report_interval_ms": "1000",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
 ENV.pop("RAY_ADDRESS", None)
 
 
@@ -45,12 +51,17 @@ def _free_ports(count: int) -> list[int]:
 
 def _agent_ports(ports) -> list[str]:
     """Own ports for the node's dashboard agent, so no earlier cluster's agent can stand in the way."""
-    return [f"--dashboard-agent-listen-port={next(ports)}", f"--dashboard-agent-grpc-port={next(ports)}",
-            f"--runtime-env-agent-port={next(ports)}"]
+    return [
+        f"--dashboard-agent-listen-port={next(ports)}",
+        f"--dashboard-agent-grpc-port={next(ports)}",
+        f"--runtime-env-agent-port={next(ports)}",
+    ]
 
 
 def _ray(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([f"{BIN}/ray", *args], env=ENV, capture_output=True, text=True, timeout=180, **kwargs)
+    return subprocess.run(
+        [f"{BIN}/ray", *args], env=ENV, capture_output=True, text=True, timeout=180, **kwargs
+    )
 
 
 @contextmanager
@@ -67,25 +78,46 @@ def local_cluster(extra_nodes: int = 0, cpus_per_node: int = 2):
         # As docs/clusters.md says: on a machine without a token, `ray start` would leave authentication off.
         generated = _ray("get-auth-token", "--generate")
         assert generated.returncode == 0, generated.stderr
-        head = _ray("start", "--head", f"--port={port}", f"--dashboard-port={dashboard}",
-                    "--dashboard-host=127.0.0.1", f"--metrics-export-port={metrics[0]}", f"--num-cpus={cpus_per_node}",
-                    f"--temp-dir={temp}", f"--ray-client-server-port={next(ports)}", *_agent_ports(ports),
-                    "--resources={\"node_head\": 1}")
+        head = _ray(
+            "start",
+            "--head",
+            f"--port={port}",
+            f"--dashboard-port={dashboard}",
+            "--dashboard-host=127.0.0.1",
+            f"--metrics-export-port={metrics[0]}",
+            f"--num-cpus={cpus_per_node}",
+            f"--temp-dir={temp}",
+            f"--ray-client-server-port={next(ports)}",
+            *_agent_ports(ports),
+            '--resources={"node_head": 1}',
+        )
         assert head.returncode == 0, head.stdout + head.stderr
         for index in range(extra_nodes):
             metrics.append(next(ports))
-            node = _ray("start", f"--address=127.0.0.1:{port}", f"--num-cpus={cpus_per_node}", f"--temp-dir={node_temps[index]}",
-                        f"--metrics-export-port={metrics[-1]}", *_agent_ports(ports),
-                        f"--resources={{\"node_{index}\": 1}}")
+            node = _ray(
+                "start",
+                f"--address=127.0.0.1:{port}",
+                f"--num-cpus={cpus_per_node}",
+                f"--temp-dir={node_temps[index]}",
+                f"--metrics-export-port={metrics[-1]}",
+                *_agent_ports(ports),
+                f'--resources={{"node_{index}": 1}}',
+            )
             assert node.returncode == 0, node.stdout + node.stderr
-        yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}",
-               "metrics": [f"http://127.0.0.1:{m}/metrics" for m in metrics]}
+        yield {
+            "address": f"127.0.0.1:{port}",
+            "dashboard": f"http://127.0.0.1:{dashboard}",
+            "metrics": [f"http://127.0.0.1:{m}/metrics" for m in metrics],
+        }
     finally:
         # Not `ray stop`: that would stop every Ray on the machine, the test session's own too. This
         # cluster's processes name its temp dir or its GCS port; their children go with them.
         marks = (temp, *node_temps, f":{port}")
-        mine = {p for p in psutil.process_iter(["cmdline"])
-                if any(m in a for a in p.info["cmdline"] or [] for m in marks)}
+        mine = {
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if any(m in a for a in p.info["cmdline"] or [] for m in marks)
+        }
         for process in list(mine):
             try:
                 mine.update(process.children(recursive=True))
@@ -114,14 +146,41 @@ def test_submitted_job_joins_a_two_node_cluster_spreads_its_trial_and_exports_li
     with local_cluster(extra_nodes=1, cpus_per_node=1) as cluster:
         excludes = json.dumps({"excludes": [".whl", "runs", "data", ".git", "results", "bench/results"]})
         # Each node has 1 CPU: the 2-worker trial can only run with one worker per node; 3 workers do not fit.
-        sweep = ["python", "-m", "ray_zero", "sweep", "experiments/quick.yaml", "--address", "auto",
-                 "--set", "steps=100", "--set", "grid.stage=[1]", "--set", "grid.num_workers=[2,3]",
-                 "--set", "runtime.placement_strategy=SPREAD", "--set", f"runtime.storage_path=file://{storage}",
-                 "--output", str(output)]
+        sweep = [
+            "python",
+            "-m",
+            "ray_zero",
+            "sweep",
+            "experiments/quick.yaml",
+            "--address",
+            "auto",
+            "--set",
+            "steps=100",
+            "--set",
+            "grid.stage=[1]",
+            "--set",
+            "grid.num_workers=[2,3]",
+            "--set",
+            "runtime.placement_strategy=SPREAD",
+            "--set",
+            f"runtime.storage_path=file://{storage}",
+            "--output",
+            str(output),
+        ]
         ready_by = time.time() + 60
         while True:  # right after `ray start` the job agent may not be up yet: it says "try again"
-            submit = _ray("job", "submit", f"--address={cluster['dashboard']}", "--no-wait", "--working-dir", ".",
-                          f"--runtime-env-json={excludes}", "--", *sweep, cwd=ROOT)
+            submit = _ray(
+                "job",
+                "submit",
+                f"--address={cluster['dashboard']}",
+                "--no-wait",
+                "--working-dir",
+                ".",
+                f"--runtime-env-json={excludes}",
+                "--",
+                *sweep,
+                cwd=ROOT,
+            )
             if "No available agent" not in submit.stderr or time.time() > ready_by:
                 break
             time.sleep(1)
@@ -153,4 +212,6 @@ def test_submitted_job_joins_a_two_node_cluster_spreads_its_trial_and_exports_li
     assert (storage / "tune").is_dir() and (storage / "train").is_dir()  # run state went to the storage path
     assert (storage / "results" / "results.csv").is_file()  # and the tables too
     # Live gauges, tagged per trial and rank, reached a node's Prometheus export during the run.
-    assert any('rank="1"' in line and 'stage="1"' in line and 'trial="stage1_mb64_w2"' in line for line in seen), seen[:3]
+    assert any(
+        'rank="1"' in line and 'stage="1"' in line and 'trial="stage1_mb64_w2"' in line for line in seen
+    ), seen[:3]

@@ -1,4 +1,5 @@
 """cluster.yaml stays a valid Ray cluster launcher config (checked with the autoscaler's own schema)."""
+
 from __future__ import annotations
 
 import copy

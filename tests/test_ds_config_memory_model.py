@@ -1,17 +1,28 @@
 """The DeepSpeed config builder (pure, then parsed by DeepSpeed itself) and the memory model."""
+
 from __future__ import annotations
 
 import pytest
 
-from ray_zero.ds_config import build_ds_config
-from ray_zero.memory_model import GIB, deepspeed, fsdp, paper, predict_point, torch_zero
+from ray_zero.config import Optimizer
+from ray_zero.measure.memory_model import GIB, deepspeed, fsdp, paper, predict_point, torch_zero
+from ray_zero.train.ds_config import build_ds_config
+from ray_zero.train.settings import EngineSettings
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
 def test_config_has_one_optimizer_and_the_batch_arithmetic(stage, precision):
-    config = build_ds_config(stage=stage, micro_batch_size=16, gradient_accumulation_steps=4, world_size=8,
-                             precision=precision, lr=3e-4)
+    config = build_ds_config(
+        EngineSettings(
+            stage=stage,
+            micro_batch_size=16,
+            gradient_accumulation_steps=4,
+            world_size=8,
+            precision=precision,
+            optimizer=Optimizer(lr=3e-4),
+        )
+    )
     assert config["train_batch_size"] == 16 * 4 * 8
     assert config["train_micro_batch_size_per_gpu"] == 16 and config["gradient_accumulation_steps"] == 4
     assert config["optimizer"]["type"] == "AdamW" and config["optimizer"]["params"]["lr"] == 3e-4
@@ -24,21 +35,26 @@ def test_config_has_one_optimizer_and_the_batch_arithmetic(stage, precision):
 def test_deepspeed_accepts_the_config(stage):
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    parsed = DeepSpeedConfig(build_ds_config(stage=stage, micro_batch_size=8, gradient_accumulation_steps=2,
-                                             world_size=1, precision="bf16"))
+    parsed = DeepSpeedConfig(
+        build_ds_config(
+            EngineSettings(stage=stage, micro_batch_size=8, gradient_accumulation_steps=2, precision="bf16")
+        )
+    )
     assert parsed.zero_optimization_stage == stage and parsed.train_batch_size == 16
     assert parsed.optimizer_name == "adamw"
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"stage": 4}, "stage must be 0, 1, 2 or 3"),
-    ({"precision": "fp8"}, "precision must be one of"),
-    ({"micro_batch_size": 0}, "micro_batch_size must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"stage": 4}, "stage must be 0, 1, 2 or 3"),
+        ({"precision": "fp8"}, "precision must be one of"),
+        ({"micro_batch_size": 0}, "micro_batch_size must be at least 1"),
+    ],
+)
 def test_config_rejects_bad_arguments(kwargs, match):
-    arguments = dict(stage=0, micro_batch_size=1, gradient_accumulation_steps=1, world_size=1, precision="fp32")
     with pytest.raises(ValueError, match=match):
-        build_ds_config(**{**arguments, **kwargs})
+        build_ds_config(EngineSettings(**kwargs))
 
 
 def test_paper_figure_for_7_5b_parameters_on_64_gpus():
@@ -48,8 +64,17 @@ def test_paper_figure_for_7_5b_parameters_on_64_gpus():
 
 
 def _row(**point):
-    row = {"backend": "deepspeed", "params": 805_888_010, "model": "large", "precision": "fp16", "stage": 1,
-           "num_workers": 2, "micro_batch_size": 64, "memory_kind": "cuda", "dataset": "synthetic"}
+    row = {
+        "backend": "deepspeed",
+        "params": 805_888_010,
+        "model": "large",
+        "precision": "fp16",
+        "stage": 1,
+        "num_workers": 2,
+        "micro_batch_size": 64,
+        "memory_kind": "cuda",
+        "dataset": "synthetic",
+    }
     return {**row, **point}
 
 
@@ -92,12 +117,16 @@ def test_other_engines_offload_and_checkpointing():
     # GiB over the first backward); checkpointing keeps fewer activations.
     assert deepspeed(psi, 2, 2, "fp16", offload="cpu").model_state_bytes == 2 * psi
     plain, checkpointed = predict_point(_row()), predict_point(_row(activation_checkpointing=True))
-    assert checkpointed.activation_bytes < plain.activation_bytes / 4 and checkpointed.basis.startswith("unchecked")
+    assert checkpointed.activation_bytes < plain.activation_bytes / 4 and checkpointed.basis.startswith(
+        "unchecked"
+    )
     # Any other model needs its calibration for activations; its model states are predicted anyway.
     other = predict_point(_row(model="hf:gpt2", params=124_439_808))
     assert other.peak_bytes is None and other.model_state_bytes > 0
-    calibrated = predict_point(_row(model="hf:gpt2", params=124_439_808), {"bytes_per_sample": {"plain": 2 ** 20}})
-    assert calibrated.activation_bytes == 64 * 2 ** 20 and "calibrated" in calibrated.basis
+    calibrated = predict_point(
+        _row(model="hf:gpt2", params=124_439_808), {"bytes_per_sample": {"plain": 2**20}}
+    )
+    assert calibrated.activation_bytes == 64 * 2**20 and "calibrated" in calibrated.basis
 
 
 def _estimate(capsys, *args: str):
@@ -126,9 +155,23 @@ def test_estimate_takes_any_model_source_without_network(capsys):
 
 def test_estimate_plans_for_the_cluster_the_user_will_have(capsys):
     # 1.9 B parameters: 30 GiB of model states at stage 0 on one rank, more than this 24 GiB machine; estimate
-    # still prints the stages and workers it was given (sweep and fit refuse it here), and --gpu-gib marks them.
-    status, out = _estimate(capsys, "--model", "hf:llama", "--set", "model_config.num_hidden_layers=8",
-                            "--workers", "1,8", "--stages", "0,3", "--precision", "bf16", "--gpu-gib", "20")
+    # still prints the stages and workers it was given (sweep and fit refuse it here), and --gpu-gib marks
+    # them.
+    status, out = _estimate(
+        capsys,
+        "--model",
+        "hf:llama",
+        "--set",
+        "model_config.num_hidden_layers=8",
+        "--workers",
+        "1,8",
+        "--stages",
+        "0,3",
+        "--precision",
+        "bf16",
+        "--gpu-gib",
+        "20",
+    )
     assert status == 0
     rows = {(r[0], r[1]): r for r in (line.split() for line in out.splitlines()[3:])}
     assert sorted(rows) == [("0", "1"), ("0", "8"), ("3", "1"), ("3", "8")]
@@ -137,7 +180,7 @@ def test_estimate_plans_for_the_cluster_the_user_will_have(capsys):
 
 
 def test_what_each_engine_leaves_on_its_fullest_rank_tensor_by_tensor():
-    from ray_zero.partitions import Held, held
+    from ray_zero.measure.partitions import Held, held
 
     shapes = [(3,), (14,), (3,)]  # 20 elements: ZeRO-1/2 partitions of 10 at 2 ranks
     # The 14-element tensor overlaps both partitions: each rank's gradient buffer holds it whole.
@@ -145,29 +188,48 @@ def test_what_each_engine_leaves_on_its_fullest_rank_tensor_by_tensor():
     assert held(shapes, [(5, 2)], "deepspeed", 2, 2) == Held(params=30, gradients=17, states=10, trainable=20)
     # ZeRO-3: each tensor split (rounded up), those of at most 1e5 elements also whole on every rank.
     big, small = (200_001,), (7,)
-    assert held([big, small], [], "deepspeed", 3, 2) == Held(params=100_001 + 4 + 7, gradients=100_005,
-                                                             states=100_005, trainable=200_008)
-    assert held([big, small], [], "deepspeed", 3, 1).params == 200_008  # one rank: its partition is the tensor
+    assert held([big, small], [], "deepspeed", 3, 2) == Held(
+        params=100_001 + 4 + 7, gradients=100_005, states=100_005, trainable=200_008
+    )
+    assert (
+        held([big, small], [], "deepspeed", 3, 1).params == 200_008
+    )  # one rank: its partition is the tensor
     # ZeroRedundancyOptimizer: whole tensors, largest first, to the least loaded rank.
     assert held([(64_000,), (100,), (100,), (50,)], [], "torch_zero", 1, 2).states == 64_000
     assert held([(64_000,), (100,)], [], "torch_zero", 0, 2).states == 64_100  # DDP: no split
     # FSDP2: dim 0 split, rounded up (a (1, 5) tensor stays on the first rank), a 0-d tensor whole.
-    assert held([(3, 4), (1, 5), ()], [(2, 2)], "fsdp", 3, 2) == Held(params=16, gradients=14, states=14, trainable=18)
+    assert held([(3, 4), (1, 5), ()], [(2, 2)], "fsdp", 3, 2) == Held(
+        params=16, gradients=14, states=14, trainable=18
+    )
 
 
 def test_frozen_parameters_and_partitions_reach_the_prediction():
-    from ray_zero.memory_model import HELD_COLUMNS
-    from ray_zero.partitions import held
+    from ray_zero.measure.memory_model import HELD_COLUMNS
+    from ray_zero.measure.partitions import held
 
     # A frozen backbone: held (fp16 under DeepSpeed) with no gradient, master or Adam's states.
     h = held([(1000,)], [(3000,)], "deepspeed", 0, 1)
-    assert {k: v for k, v in deepspeed(4000, 0, 1, "fp16", held=h).__dict__.items() if k.endswith("_bytes")} == dict(
-        parameter_bytes=2 * 4000, gradient_bytes=2 * 1000, master_param_bytes=4 * 1000, optimizer_state_bytes=8 * 1000,
-        bucket_bytes=0.0, step_transient_bytes=8 * 1000, compute_bytes=0.0, activation_bytes=0.0, workspace_bytes=0.0,
-        data_bytes=0.0)
+    assert {
+        k: v for k, v in deepspeed(4000, 0, 1, "fp16", held=h).__dict__.items() if k.endswith("_bytes")
+    } == dict(
+        parameter_bytes=2 * 4000,
+        gradient_bytes=2 * 1000,
+        master_param_bytes=4 * 1000,
+        optimizer_state_bytes=8 * 1000,
+        bucket_bytes=0.0,
+        step_transient_bytes=8 * 1000,
+        compute_bytes=0.0,
+        activation_bytes=0.0,
+        workspace_bytes=0.0,
+        data_bytes=0.0,
+    )
     # A row carries them (trial_row); rows of earlier versions predict the even split.
     row = _row(model="hf:gpt2", params=20_000, stage=3, num_workers=2, memory_kind="cpu_rss")
     layout = held([(20_000,)], [], "deepspeed", 3, 2)  # small enough to stay whole on both ranks besides
-    with_shapes = predict_point({**row, **dict(zip(HELD_COLUMNS, (layout.params, layout.gradients, layout.states,
-                                                                  layout.trainable)))})
-    assert with_shapes.parameter_bytes == 2 * (10_000 + 20_000) and predict_point(row).parameter_bytes == 2 * 10_000
+    with_shapes = predict_point(
+        {**row, **dict(zip(HELD_COLUMNS, (layout.params, layout.gradients, layout.states, layout.trainable)))}
+    )
+    assert (
+        with_shapes.parameter_bytes == 2 * (10_000 + 20_000)
+        and predict_point(row).parameter_bytes == 2 * 10_000
+    )

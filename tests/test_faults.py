@@ -2,6 +2,7 @@
 it), a killed worker (retried, then failed), a worker killed as it starts (a user's factory model, retried),
 Real Ray, real DeepSpeed, real processes killed with SIGKILL and
 SIGINT. What a rank's out-of-memory error makes of its row, without Ray: tests/test_worker_faults.py."""
+
 from __future__ import annotations
 
 import signal
@@ -13,8 +14,8 @@ import pandas as pd
 import psutil
 
 from ray_zero.experiment_file import load_experiment
+from ray_zero.run.sweep import run_sweep
 from ray_zero.store import load_trials
-from ray_zero.sweep import run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,11 +28,19 @@ def test_a_killed_worker_and_an_out_of_memory_rank_are_rows_and_the_sweep_goes_o
     # Stage 0's rank 0 kills itself (SIGKILL) at step 2, and no retry is allowed; stage 1's rank 1 raises
     # torch.cuda.OutOfMemoryError, the type the rank catches on GPUs. Each trial takes both CPUs: with
     # overlap_startup the second one's driver starts while the first trains.
-    experiment = _quick("grid.num_workers=[2]", "runtime.overlap_startup=true", "runtime.max_failures=0",
-                        "fault=[{kind: sigkill, step: 2, stage: 0}, {kind: oom, step: 2, rank: 1, stage: 1}]")
+    experiment = _quick(
+        "grid.num_workers=[2]",
+        "runtime.overlap_startup=true",
+        "runtime.max_failures=0",
+        "fault=[{kind: sigkill, step: 2, stage: 0}, {kind: oom, step: 2, rank: 1, stage: 1}]",
+    )
     frame = run_sweep(experiment, tmp_path, command="pytest faults").set_index("stage")
     failed, oom = frame.loc[0], frame.loc[1]
-    assert failed["status"] == "failed" and failed["attempts"] == 1 and "worker process has died" in failed["error"]
+    assert (
+        failed["status"] == "failed"
+        and failed["attempts"] == 1
+        and "worker process has died" in failed["error"]
+    )
     assert oom["status"] == "oom" and oom["num_workers"] == 2 and oom["micro_batch_size"] == 64
     assert "rank 1 out of memory during step 2" in oom["error"]
     assert oom["peak_allocated_gib_max"] > 0.1  # the memory at the failure
@@ -45,8 +54,11 @@ def _placed_worker_groups() -> list[str]:
     """Placement groups that hold CPUs now (a Ray Train worker group's; Tune's trial holds only memory)."""
     from ray.util.placement_group import placement_group_table
 
-    return [pg_id for pg_id, pg in placement_group_table().items()
-            if pg["state"] == "CREATED" and any("CPU" in bundle for bundle in pg["bundles"].values())]
+    return [
+        pg_id
+        for pg_id, pg in placement_group_table().items()
+        if pg["state"] == "CREATED" and any("CPU" in bundle for bundle in pg["bundles"].values())
+    ]
 
 
 def _train_workers() -> list[psutil.Process]:
@@ -64,12 +76,21 @@ def test_killed_workers_are_retried_as_they_start_and_while_training(ray_instanc
     # then kills itself at step 2; the next one trains to the end. The model is a user's factory, read from
     # a file of the working directory by every retried worker.
     monkeypatch.chdir(ROOT)
-    experiment = _quick("steps=20", "warmup_steps=2", "grid.stage=[1]", "grid.num_workers=[1]", "runtime.max_failures=2",
-                        "model=examples/my_model.py:build", "model_config={features: 16, width: 64, depth: 2}",
-                        "fault={kind: sigkill, step: 2, attempts: 1}")
+    experiment = _quick(
+        "steps=20",
+        "warmup_steps=2",
+        "grid.stage=[1]",
+        "grid.num_workers=[1]",
+        "runtime.max_failures=2",
+        "model=examples/my_model.py:build",
+        "model_config={features: 16, width: 64, depth: 2}",
+        "fault={kind: sigkill, step: 2, attempts: 1}",
+    )
     result: dict = {}
-    sweep = threading.Thread(target=lambda: result.update(frame=run_sweep(experiment, tmp_path, command="pytest kill")),
-                             daemon=True)
+    sweep = threading.Thread(
+        target=lambda: result.update(frame=run_sweep(experiment, tmp_path, command="pytest kill")),
+        daemon=True,
+    )
     sweep.start()
     victim = None
     deadline = time.time() + 120

@@ -5,17 +5,18 @@ a second search (stage 2) loses its worker (killed) and goes on in a fresh run, 
 another reason than memory: that ends that search alone. The best config then trains in a fresh
 `deepspeed.initialize` on a rank of the harness. In-process probing at rank level: tests/test_probing.py;
 the search's logic against exhaustive tables, without trials: tests/test_fit_search.py."""
+
 from __future__ import annotations
 
 import json
 
 import pandas as pd
 import pytest
-
 from conftest import ROOT
+
 from ray_zero.experiment_file import load_experiment
-from ray_zero.fit import FitSettings, run_fit
-from ray_zero.models import describe_model
+from ray_zero.models.describe import describe_model
+from ray_zero.run.fit import FitSettings, run_fit
 
 GRANULARITY, LARGEST = 32, 128
 BUDGET_GIB = 2.48  # README's example: 96 samples on this machine
@@ -24,12 +25,22 @@ BUDGET_GIB = 2.48  # README's example: 96 samples on this machine
 @pytest.fixture(scope="module")
 def fit(ray_instance, tmp_path_factory):
     output = tmp_path_factory.mktemp("fit")
-    experiment = load_experiment(ROOT / "experiments" / "fit_gpt2_cpu.yaml",
-                                 ["grid.stage=[1,2]", "runtime.max_failures=1", "fault=[{kind: sigkill, stage: 2, "
-                                  "step: 1, attempts: 1}, {kind: error, stage: 2, step: 1}]"])
+    experiment = load_experiment(
+        ROOT / "experiments" / "fit_gpt2_cpu.yaml",
+        [
+            "grid.stage=[1,2]",
+            "runtime.max_failures=1",
+            "fault=[{kind: sigkill, stage: 2, step: 1, attempts: 1}, {kind: error, stage: 2, step: 1}]",
+        ],
+    )
     model = describe_model(experiment.model, experiment.model_options, experiment.seq_len)
-    run_fit(experiment, output, model, FitSettings(budget_gib=BUDGET_GIB, granularity=GRANULARITY,
-                                                   max_micro_batch=LARGEST), command="pytest fit")
+    run_fit(
+        experiment,
+        output,
+        model,
+        FitSettings(budget_gib=BUDGET_GIB, granularity=GRANULARITY, max_micro_batch=LARGEST),
+        command="pytest fit",
+    )
     return output, pd.read_csv(output / "fit.csv").set_index("stage")
 
 
@@ -38,7 +49,9 @@ def test_the_answer_is_bracketed_by_its_own_probes(fit):
     rows = pd.read_csv(output / "results.csv")
     assert len(rows) == table["probes"].sum()  # every probe is a row
     probes = rows[rows["stage"] == 1].set_index("micro_batch_size")
-    assert set(probes["status"]) <= {"ok", "oom"} and 2 <= len(probes) <= 6, probes[["status", "peak_allocated_gib_max"]]
+    assert set(probes["status"]) <= {"ok", "oom"} and 2 <= len(probes) <= 6, probes[
+        ["status", "peak_allocated_gib_max"]
+    ]
     answer = int(table.loc[1, "max_micro_batch"])
     assert probes.loc[answer, "peak_allocated_gib_max"] <= BUDGET_GIB == table.loc[1, "budget_gib"]
     assert table.loc[1, "peak_gib"] == probes.loc[answer, "peak_allocated_gib_max"]
@@ -70,8 +83,12 @@ def _records(output) -> list[dict]:
 def test_best_config_is_what_the_winner_passed_to_deepspeed_and_trains_afresh(fit, ranks):
     output, _ = fit
     best = json.loads((output / "best_ds_config.json").read_text())
-    winner = [r for r in _records(output) if r["micro_batch_size"] == best["train_micro_batch_size_per_gpu"]
-              and r["stage"] == best["zero_optimization"]["stage"]][0]
+    winner = [
+        r
+        for r in _records(output)
+        if r["micro_batch_size"] == best["train_micro_batch_size_per_gpu"]
+        and r["stage"] == best["zero_optimization"]["stage"]
+    ][0]
     assert best == winner["per_rank"][0]["engine_config"]  # key for key what its rank passed to initialize
     assert (output / "best_command.txt").read_text().startswith("python -m ray_zero sweep ")
     assert (output / "fit.png").stat().st_size > 1000 and "fit" in (output / "report.html").read_text()
@@ -84,12 +101,15 @@ def train_with_config(rank: int, world_size: int, config: dict) -> list[float]:
     import deepspeed
     import torch
 
-    from ray_zero.models import build_model_spec
+    from ray_zero.models.describe import build_model_spec
 
     spec = build_model_spec("hf:gpt2", dict(n_layer=2, n_embd=64, n_head=4, vocab_size=1000), seq_len=64)
-    engine, *_ = deepspeed.initialize(model=spec.module, model_parameters=spec.module.parameters(), config=config)
-    batch = spec.make_batch(config["train_micro_batch_size_per_gpu"], torch.device("cpu"),
-                            torch.Generator().manual_seed(0))
+    engine, *_ = deepspeed.initialize(
+        model=spec.module, model_parameters=spec.module.parameters(), config=config
+    )
+    batch = spec.make_batch(
+        config["train_micro_batch_size_per_gpu"], torch.device("cpu"), torch.Generator().manual_seed(0)
+    )
     losses = []
     for _ in range(4):
         loss = spec.loss(engine, batch)

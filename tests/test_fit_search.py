@@ -5,6 +5,7 @@ The tables: one measured on this 2-core CPU machine (MEASURED, below: every micr
 sweep), and families of peaks the search must handle (linear, convex, flat then steep, out of memory
 above a size, noisy). fit end to end through Ray Tune: tests/test_fit.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,8 +13,8 @@ import random
 
 import pytest
 
-from ray_zero.fit_search import BracketSearch, Steps, largest_predicted_to_fit
-from ray_zero.memory_model import GIB, predict_point
+from ray_zero.measure.memory_model import GIB, predict_point
+from ray_zero.measure.search import BracketSearch, Steps, largest_predicted_to_fit
 
 # Peak resident set per worker (GiB) of `experiments/fit_gpt2_cpu.yaml` (tiny GPT-2, seq_len 512), DeepSpeed
 # stages 0 and 1, one worker, at every micro-batch from 16 to 192 in steps of 16: an exhaustive sweep of 24
@@ -23,10 +24,34 @@ from ray_zero.memory_model import GIB, predict_point
 # --set 'grid.stage=[0,1]' --output OUT` (OUT/results.csv, peak_allocated_gib_max). The resident set is not
 # monotone in the micro-batch: at stage 1, 48 samples peaked above 64 (glibc's heap, not the tensors).
 MEASURED: dict[int, dict[int, float]] = {
-    0: {16: 1.312, 32: 1.499, 48: 1.763, 64: 1.802, 80: 2.031, 96: 2.241, 112: 2.488, 128: 2.679, 144: 2.899,
-        160: 3.157, 176: 3.359, 192: 3.626},
-    1: {16: 1.293, 32: 1.577, 48: 1.85, 64: 1.84, 80: 2.057, 96: 2.298, 112: 2.506, 128: 2.725, 144: 2.926,
-        160: 3.164, 176: 3.404, 192: 3.672},
+    0: {
+        16: 1.312,
+        32: 1.499,
+        48: 1.763,
+        64: 1.802,
+        80: 2.031,
+        96: 2.241,
+        112: 2.488,
+        128: 2.679,
+        144: 2.899,
+        160: 3.157,
+        176: 3.359,
+        192: 3.626,
+    },
+    1: {
+        16: 1.293,
+        32: 1.577,
+        48: 1.85,
+        64: 1.84,
+        80: 2.057,
+        96: 2.298,
+        112: 2.506,
+        128: 2.725,
+        144: 2.926,
+        160: 3.164,
+        176: 3.404,
+        192: 3.672,
+    },
 }
 
 
@@ -36,8 +61,14 @@ def exhaustive_answer(peaks: dict[int, float | None], budget: float) -> int | No
     return max(fitting) if fitting else None
 
 
-def search(peaks: dict[int, float | None], budget: float, steps: Steps, first_guess: int | None = None,
-           fail_at: int | None = None, per_sample: float | None = None) -> BracketSearch:
+def search(
+    peaks: dict[int, float | None],
+    budget: float,
+    steps: Steps,
+    first_guess: int | None = None,
+    fail_at: int | None = None,
+    per_sample: float | None = None,
+) -> BracketSearch:
     """Run a search to its end, each probe answered from the table (None there: out of memory), with the
     activations per sample a probe measures where given."""
     found = BracketSearch(budget, steps, first_guess)
@@ -58,7 +89,7 @@ def search(peaks: dict[int, float | None], budget: float, steps: Steps, first_gu
 def out_of_order(peaks: dict[int, float | None], budget: float) -> bool:
     """Some micro-batch is over the budget while a larger one is within it."""
     sizes = sorted(m for m, peak in peaks.items() if peak is not None)
-    return any(peaks[a] > budget >= peaks[b] for i, a in enumerate(sizes) for b in sizes[i + 1:])
+    return any(peaks[a] > budget >= peaks[b] for i, a in enumerate(sizes) for b in sizes[i + 1 :])
 
 
 def budgets_between(peaks: dict[int, float | None]) -> list[float]:
@@ -94,7 +125,10 @@ def test_the_search_finds_the_exhaustive_answer_in_few_probes(name):
             assert expected is not None and peaks[expected] <= budget, (name, budget, found.probes)
         assert found.answer == expected, (name, budget, found.probes)
         # Two probes for a first slope, doubling up to a bracket, then the line or halving inside it.
-        assert found.stopped is None and len(found.probes) <= math.ceil(math.log2(len(peaks))) + 3, (name, budget)
+        assert found.stopped is None and len(found.probes) <= math.ceil(math.log2(len(peaks))) + 3, (
+            name,
+            budget,
+        )
         if expected is not None and expected < max(peaks):  # the answer is bracketed by what was measured
             above = [p for p in found.probes if p.micro_batch_size == expected + 16]
             assert above and not above[0].fits, (name, budget, found.probes)
@@ -137,8 +171,17 @@ def test_steps_without_granularity_are_every_size_below_64_then_multiples_of_8()
 def _gpu_row(micro: int) -> dict:
     """A results row of the 806 M preset on one GPU, fp16, DeepSpeed stage 1 (the memory model predicts
     its activations from the preset's shapes)."""
-    return {"backend": "deepspeed", "stage": 1, "micro_batch_size": micro, "num_workers": 1, "precision": "fp16",
-            "model": "large", "params": 805_888_010, "memory_kind": "cuda", "dataset": "mnist"}
+    return {
+        "backend": "deepspeed",
+        "stage": 1,
+        "micro_batch_size": micro,
+        "num_workers": 1,
+        "precision": "fp16",
+        "model": "large",
+        "params": 805_888_010,
+        "memory_kind": "cuda",
+        "dataset": "mnist",
+    }
 
 
 @pytest.mark.parametrize("budget", [17.0, 24.0, 40.0, 80.0])
@@ -155,4 +198,6 @@ def test_the_first_guess_is_the_largest_size_the_memory_model_fits(budget):
 
 def test_no_first_guess_where_the_model_cannot_predict():
     assert largest_predicted_to_fit(lambda micro: None, 10.0, Steps()) is None
-    assert largest_predicted_to_fit(lambda micro: 20.0, 10.0, Steps(granularity=8)) == 8  # over even at the smallest
+    assert (
+        largest_predicted_to_fit(lambda micro: 20.0, 10.0, Steps(granularity=8)) == 8
+    )  # over even at the smallest

@@ -6,6 +6,7 @@ page's own that records script errors and console.error calls, one after it that
 (the SVG markers, by their ids), clicks a column heading and writes it all into the DOM; `--dump-dom`
 hands the DOM back. A second run takes a screenshot of the page itself.
 """
+
 from __future__ import annotations
 
 import html
@@ -20,17 +21,34 @@ import pandas as pd
 import pytest
 import yaml
 
-from ray_zero.html_report import render_html, write_html_report
-from ray_zero.report import rerender
+from ray_zero.report.page import render_html, write_html_report
+from ray_zero.report.tables import rerender
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_FOLDERS = ["memory_scaling-h200x2", "oom_probe-h200", "zero1_mnist-h200"]
-CHROMIUM = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser"), "/usr/bin/chromium")
-                 if p and Path(p).is_file()), None)
-needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="Chromium not found: `apt-get install -y chromium` "
-                                                             "(Debian's package; .ci/run installs it)")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
+CHROMIUM = next(
+    (
+        p
+        for p in (shutil.which("chromium"), shutil.which("chromium-browser"), "/usr/bin/chromium")
+        if p and Path(p).is_file()
+    ),
+    None,
+)
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="Chromium not found: `apt-get install -y chromium` (Debian's package; .ci/run installs it)",
+)
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+]
 
 BEFORE = """<script>
 window.__errors = [];
@@ -49,7 +67,8 @@ AFTER = """<script>
     document.querySelectorAll("figure[data-figure]").forEach(function (f) {
       var marks = Array.from(f.querySelectorAll('[id^="' + f.id + '--"]')).map(function (g) {
         var box = g.getBoundingClientRect();
-        return {id: g.id, uses: g.querySelectorAll("use").length, shapes: g.querySelectorAll("path, use").length,
+        return {id: g.id, uses: g.querySelectorAll("use").length,
+                shapes: g.querySelectorAll("path, use").length,
                 width: box.width, height: box.height};
       });
       out.figures.push({id: f.id, kind: f.getAttribute("data-kind"), drawn: f.getAttribute("data-drawn"),
@@ -74,8 +93,12 @@ AFTER = """<script>
 
 def chromium(*args: str, profile: Path, timeout: float = 60) -> str:
     profile.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(
+        [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return done.stdout
 
 
@@ -92,8 +115,12 @@ def open_page(page: Path, tmp_path: Path) -> dict:
 
 
 def screenshot(page: Path, tmp_path: Path, path: Path, width: int = 1280, height: int = 2000) -> Path:
-    chromium(f"--screenshot={path}", f"--window-size={width},{height}", page.as_uri(),
-             profile=tmp_path / "profile-shot")
+    chromium(
+        f"--screenshot={path}",
+        f"--window-size={width},{height}",
+        page.as_uri(),
+        profile=tmp_path / "profile-shot",
+    )
     assert path.is_file(), "Chromium took no screenshot"
     return path
 
@@ -104,7 +131,9 @@ def not_blank(path: Path) -> None:
     with Image.open(path) as image:
         pixels = image.convert("RGB")
         colours = pixels.getcolors(maxcolors=1 << 16)
-        assert colours is None or len(colours) > 50, f"{path.name}: {len(colours or [])} colours: a blank page"
+        assert colours is None or len(colours) > 50, (
+            f"{path.name}: {len(colours or [])} colours: a blank page"
+        )
         white = pixels.point(lambda v: 255 if v > 245 else 0).convert("L").histogram()[255]
         assert white < 0.97 * image.width * image.height, f"{path.name}: almost all white"
 
@@ -139,8 +168,10 @@ def check_page(folder: Path, tmp_path: Path, shot: Path | None = None) -> dict:
             not_blank(screenshot_taken.result())
     assert page["errors"] == [], page["errors"]
     assert sorted(r["trial"] for r in page["rows"]) == sorted(results["trial"]), "one table row per trial"
-    errors = {trial: error if isinstance(error, str) else ""
-              for trial, error in zip(results["trial"], results["error"])}
+    errors = {
+        trial: error if isinstance(error, str) else ""
+        for trial, error in zip(results["trial"], results["error"])
+    }
     for row in page["rows"]:  # oom, failed and skipped rows marked, with their reason
         status = results.set_index("trial").loc[row["trial"], "status"]
         assert row["status"] == f"status-{status}"
@@ -151,24 +182,36 @@ def check_page(folder: Path, tmp_path: Path, shot: Path | None = None) -> dict:
     figures = {f["kind"]: f for f in page["figures"]}
     for figure in page["figures"]:
         if figure["drawn"] == "no":
-            assert figure["svgs"] == 0 and len(figure["text"]) > 40, f"{figure['id']}: skipped without a sentence"
+            assert figure["svgs"] == 0 and len(figure["text"]) > 40, (
+                f"{figure['id']}: skipped without a sentence"
+            )
             continue
         assert figure["svgs"] == 1, figure["id"]
         kind = figure["kind"]
         if kind.startswith(("memory-", "speed-")):
             measured = marks(figure, "measured")
             column = "peak_allocated_gib_max" if kind.startswith("memory-") else "samples_per_s"
-            assert sorted(measured) == sorted(ok[ok[column].notna()]["trial"]), f"{kind}: one marker per ok row"
+            assert sorted(measured) == sorted(ok[ok[column].notna()]["trial"]), (
+                f"{kind}: one marker per ok row"
+            )
             for trial, drawn in measured.items():  # exactly one marker, drawn with a size
-                assert len(drawn) == 1 and drawn[0]["uses"] == 1 and drawn[0]["width"] > 0, (kind, trial, drawn)
+                assert len(drawn) == 1 and drawn[0]["uses"] == 1 and drawn[0]["width"] > 0, (
+                    kind,
+                    trial,
+                    drawn,
+                )
         if kind.startswith("memory-"):  # GPU: the predicted peak; CPU: model states, counted and predicted
             cpu = set(results["memory_kind"].dropna()) == {"cpu_rss"}
             predicted = marks(figure, "predicted")
             column = "predicted_model_state_gib" if cpu else "predicted_peak_gib"
             assert sorted(predicted) == sorted(ok[ok[column].notna()]["trial"]), kind
             if cpu:
-                assert sorted(marks(figure, "states")) == sorted(ok[ok["measured_model_state_gib"].notna()]["trial"])
-            assert sorted(marks(figure, "oom")) == sorted(oom[oom["peak_allocated_gib_max"].notna()]["trial"]), kind
+                assert sorted(marks(figure, "states")) == sorted(
+                    ok[ok["measured_model_state_gib"].notna()]["trial"]
+                )
+            assert sorted(marks(figure, "oom")) == sorted(
+                oom[oom["peak_allocated_gib_max"].notna()]["trial"]
+            ), kind
         if kind == "speed-num_workers" or kind == "speed-micro_batch_size":
             assert sorted(marks(figure, "mfu")) == sorted(ok[ok["mfu"].notna()]["trial"]), kind
     breakdown = [f for f in page["figures"] if f["kind"] == "breakdown" and f["drawn"] == "yes"]
@@ -178,14 +221,17 @@ def check_page(folder: Path, tmp_path: Path, shot: Path | None = None) -> dict:
     for trial, drawn in bars.items():
         ranks = {m["id"].split("--")[3] for m in drawn}
         count = len(per_rank[per_rank["trial"] == trial])
-        assert len(ranks) == (count if count <= 4 else 2), (trial, ranks)  # many ranks: the lowest and highest
+        assert len(ranks) == (count if count <= 4 else 2), (
+            trial,
+            ranks,
+        )  # many ranks: the lowest and highest
         assert sum(m["width"] for m in drawn) > 0
     predicted_bars = {trial for f in breakdown for trial in marks(f, "predicted")}
     assert predicted_bars == set(ok["trial"]), "the memory model's bar beside each ok row"
     sorted_values = page["sorted"]
     assert sorted_values, "the table has a samples/s column to sort by"
     numbers = [float(v) for v in sorted_values["ascending"] if v]
-    blanks = sorted_values["ascending"][len(numbers):]
+    blanks = sorted_values["ascending"][len(numbers) :]
     assert numbers == sorted(numbers) and blanks == [""] * (len(results) - len(numbers)), "blanks sort last"
     assert [float(v) for v in sorted_values["descending"] if v] == sorted(numbers, reverse=True)
     return figures
@@ -197,7 +243,9 @@ def test_gpu_results_page_in_chromium(name, tmp_path):
     folder = rendered_copy(name, tmp_path)
     figures = check_page(folder, tmp_path, shot=tmp_path / "shot.png")
     if name == "memory_scaling-h200x2":  # 1 and 2 workers ran: lines against workers
-        assert figures["memory-num_workers"]["drawn"] == "yes" and figures["speed-num_workers"]["drawn"] == "yes"
+        assert (
+            figures["memory-num_workers"]["drawn"] == "yes" and figures["speed-num_workers"]["drawn"] == "yes"
+        )
     if name == "oom_probe-h200":  # micro-batch 4096 fitted, 16384 did not: the × at the memory it held
         assert figures["memory-micro_batch_size"]["drawn"] == "yes"
         assert len(marks(figures["memory-micro_batch_size"], "oom")) == 2
@@ -254,9 +302,10 @@ def test_fifty_rows_page_is_small_and_self_contained(fifty):
     # speed targets belong in a benchmark, not a timed test.
     path = write_html_report(fifty)
     size = path.stat().st_size
-    assert size < 5 * 1024 ** 2, f"a 50-row page of {size / 1024 ** 2:.2f} MB (bound: 5 MB with SVG figures)"
-    assert "http://" not in re.sub(r'xmlns(:\w+)?="http://[^"]+"|"http://www.w3.org/[^"]+"', "", path.read_text()), \
-        "the page loads nothing from the network"
+    assert size < 5 * 1024**2, f"a 50-row page of {size / 1024**2:.2f} MB (bound: 5 MB with SVG figures)"
+    assert "http://" not in re.sub(
+        r'xmlns(:\w+)?="http://[^"]+"|"http://www.w3.org/[^"]+"', "", path.read_text()
+    ), "the page loads nothing from the network"
     assert re.search(r"<script[^>]+src=|<link[^>]+href=", path.read_text()) is None
 
 
@@ -272,16 +321,18 @@ def test_folders_of_older_versions(tmp_path):
     shutil.copytree(ROOT / "results" / "memory_scaling-h200x2", folder)
     (folder / "per_rank.csv").unlink()
     rows = [json.loads(line) for line in (folder / "trials.jsonl").read_text().splitlines() if line.strip()]
-    (folder / "trials.jsonl").write_text("".join(json.dumps({k: v for k, v in row.items() if k != "per_rank"}) + "\n"
-                                                for row in rows))
+    (folder / "trials.jsonl").write_text(
+        "".join(json.dumps({k: v for k, v in row.items() if k != "per_rank"}) + "\n" for row in rows)
+    )
     text = write_html_report(folder).read_text()
     assert render_html(folder) == text, "the same folder, the same page (no dates or timings of its own)"
     assert "max over ranks" in text and "--measured--stage1_mb64_w2--maxoverranks--parameter_bytes" in text
     only_table = tmp_path / "only_table"
     only_table.mkdir()
     table = pd.read_csv(ROOT / "results" / "oom_probe-h200" / "results.csv")
-    table.drop(columns=[c for c in ("backend", "activation_checkpointing", "offload_optimizer", "mfu")
-                        if c in table]).to_csv(only_table / "results.csv", index=False)
+    table.drop(
+        columns=[c for c in ("backend", "activation_checkpointing", "offload_optimizer", "mfu") if c in table]
+    ).to_csv(only_table / "results.csv", index=False)
     text = write_html_report(only_table).read_text()
     assert text.count('<tr class="status-') == len(table)
     assert "No question recorded" in text and "out of memory" in text
@@ -310,10 +361,23 @@ def fit_folder(tmp_path: Path) -> Path:
         probes = results[(results["stage"] == stage) & ~results["trial"].str.endswith("_timed")]
         fits = probes[probes["status"] == "ok"]
         timed_row = results[results["trial"] == fits["trial"].iloc[0] + "_timed"].iloc[0]
-        fit.append({"backend": "deepspeed", "stage": stage, "num_workers": 1, "activation_checkpointing": False,
-                    "offload_optimizer": "none", "max_micro_batch": int(fits["micro_batch_size"].max()),
-                    "peak_gib": fits["peak_allocated_gib_max"].max(), "budget_gib": 137.8, "predicted_max": 6912,
-                    "samples_per_s": timed_row["samples_per_s"], "probes": len(probes), "search_s": 84.0, "note": ""})
+        fit.append(
+            {
+                "backend": "deepspeed",
+                "stage": stage,
+                "num_workers": 1,
+                "activation_checkpointing": False,
+                "offload_optimizer": "none",
+                "max_micro_batch": int(fits["micro_batch_size"].max()),
+                "peak_gib": fits["peak_allocated_gib_max"].max(),
+                "budget_gib": 137.8,
+                "predicted_max": 6912,
+                "samples_per_s": timed_row["samples_per_s"],
+                "probes": len(probes),
+                "search_s": 84.0,
+                "note": "",
+            }
+        )
     pd.DataFrame(fit).to_csv(folder / "fit.csv", index=False)
     write_html_report(folder)
     return folder

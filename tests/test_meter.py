@@ -1,5 +1,6 @@
 """What a rank measures, on real tensors: memory after a phase, bytes saved for backward, timed rates;
 and the opt-in host diagnostics."""
+
 from __future__ import annotations
 
 import time
@@ -7,8 +8,8 @@ import time
 import torch
 from torch import nn
 
-from ray_zero.diagnostics import Diagnostics
-from ray_zero.meter import Meter, SavedForBackward
+from ray_zero.measure.diagnostics import Diagnostics
+from ray_zero.measure.meter import Meter, SavedForBackward
 
 
 def test_saved_for_backward_counts_activations_once_and_not_the_weights():

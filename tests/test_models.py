@@ -5,6 +5,7 @@ Each source builds, trains a few steps, is counted on the meta device like the r
 to the same gradients with fewer saved bytes; FLOPs come from FlopCounterMode; bad input is one line.
 The same families on every engine at 2 ranks: tests/test_zoo.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,22 +18,57 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_zero.model_spec import ModelSpec
-from ray_zero.models import ModelError, build_model_spec, describe_model, find_blocks
-from ray_zero.sizes import PRESETS
+from ray_zero.models.describe import build_model_spec, describe_model
+from ray_zero.models.presets import PRESETS
+from ray_zero.models.source import ModelError, find_blocks
+from ray_zero.models.spec import ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
-TINY_GPT2 = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128, bos_token_id=0,
-                 eos_token_id=0, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
-TINY_LLAMA = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=1000, bos_token_id=0, eos_token_id=0)
+TINY_GPT2 = dict(
+    n_layer=2,
+    n_embd=64,
+    n_head=4,
+    vocab_size=1000,
+    n_positions=128,
+    bos_token_id=0,
+    eos_token_id=0,
+    attn_pdrop=0.0,
+    embd_pdrop=0.0,
+    resid_pdrop=0.0,
+)
+TINY_LLAMA = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1000,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 TINY_MIXTRAL = dict(TINY_LLAMA, num_local_experts=4, num_experts_per_tok=2)
-TINY_BERT = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=1000,
-                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+TINY_BERT = dict(
+    num_hidden_layers=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    vocab_size=1000,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
 TINY_T5 = dict(num_layers=2, d_model=64, d_ff=128, num_heads=4, d_kv=16, vocab_size=1000, dropout_rate=0.0)
-TINY_VIT = dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, image_size=32,
-                patch_size=8, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+TINY_VIT = dict(
+    num_hidden_layers=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=2,
+    image_size=32,
+    patch_size=8,
+    num_labels=10,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
 
 # (model, model_config, seq_len, input_shape, num_classes), one per source, all small.
 SOURCES = {
@@ -94,7 +130,9 @@ def test_each_source_builds_trains_and_is_counted_like_the_real_module(name):
     info = describe_model(*SOURCES[name])
     assert info.params == sum(p.numel() for p in spec.module.parameters()) > 0
     assert info.trainable_params == sum(p.numel() for p in spec.module.parameters() if p.requires_grad)
-    assert list(info.trainable_param_shapes) == [tuple(p.shape) for p in spec.module.parameters() if p.requires_grad]
+    assert list(info.trainable_param_shapes) == [
+        tuple(p.shape) for p in spec.module.parameters() if p.requires_grad
+    ]
     assert info.param_bytes == 4 * info.params  # built in fp32
     assert info.flops_per_sample > 0 and "\n" not in info.description
     assert spec.blocks and spec.enable_checkpointing is not None
@@ -170,39 +208,63 @@ def test_blocks_are_the_repeated_layers():
     assert [type(b).__name__ for b in _spec("timm").blocks] == ["Block"] * len(_spec("timm").module.blocks)
     with torch.device("meta"):  # a ResNet's blocks sit in four stages: all eight are found
         import timm
+
         resnet = timm.create_model("resnet18", pretrained=False)
     assert [type(b).__name__ for b in find_blocks(resnet)] == ["BasicBlock"] * 8
     assert find_blocks(torch.nn.Linear(2, 2)) is None
 
 
 def test_preset_and_factory_sources_import_neither_transformers_nor_timm():
-    code = ("import sys; from ray_zero.models import describe_model; describe_model('seed'); "
-            "describe_model('examples/my_model.py:build'); "
-            "print([m for m in ('transformers', 'timm', 'ray', 'deepspeed') if m in sys.modules])")
+    code = (
+        "import sys; from ray_zero.models.describe import describe_model; describe_model('seed'); "
+        "describe_model('examples/my_model.py:build'); "
+        "print([m for m in ('transformers', 'timm', 'ray', 'deepspeed') if m in sys.modules])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == "[]"
 
 
 BAD_INPUTS = [
     (dict(model="hf:gpt3"), "unknown hf model type 'gpt3' (did you mean"),
-    (dict(model="hf:gpt2", model_config={"n_layers": 2}), "unknown model_config key 'n_layers' for hf:gpt2 (did you mean 'n_layer'"),
+    (
+        dict(model="hf:gpt2", model_config={"n_layers": 2}),
+        "unknown model_config key 'n_layers' for hf:gpt2 (did you mean 'n_layer'",
+    ),
     (dict(model="hf:wav2vec2"), "hf:wav2vec2 has no task ray_zero trains"),
     (dict(model="hf:gpt2", seq_len=2048), "seq_len 2048 exceeds hf:gpt2's maximum positions 1024"),
     (dict(model="hf:gpt2", model_config={"n_layer": "two"}), "building hf:gpt2 with model_config"),
-    (dict(model="timm:vit_tiny_patch16_2244"), "unknown timm model 'vit_tiny_patch16_2244' (did you mean 'vit_tiny_patch16_224'"),
-    (dict(model="timm:test_vit", model_config={"depthh": 2}), "building timm:test_vit with model_config {'depthh': 2} failed: TypeError"),
+    (
+        dict(model="timm:vit_tiny_patch16_2244"),
+        "unknown timm model 'vit_tiny_patch16_2244' (did you mean 'vit_tiny_patch16_224'",
+    ),
+    (
+        dict(model="timm:test_vit", model_config={"depthh": 2}),
+        "building timm:test_vit with model_config {'depthh': 2} failed: TypeError",
+    ),
     (dict(model="seed", model_config={"dim": 64}), "preset 'seed' takes no model_config"),
     (dict(model="seed", seq_len=128), "seq_len 128 not used by seed"),
     (dict(model="hf gpt2"), "malformed model 'hf gpt2'; allowed: a preset (seed | base | large), hf:TYPE"),
     (dict(model="examples/missing.py:build"), "factory file 'examples/missing.py' not found"),
     (dict(model="no_such_package.models:build"), "factory module 'no_such_package.models' not found"),
-    (dict(model="examples/my_model.py:bild"), "factory function 'bild' not found in 'examples/my_model.py' (did you mean 'build'"),
-    (dict(model="examples/my_model.py:build", model_config={"widht": 8}), "factory examples/my_model.py:build raised TypeError"),
+    (
+        dict(model="examples/my_model.py:bild"),
+        "factory function 'bild' not found in 'examples/my_model.py' (did you mean 'build'",
+    ),
+    (
+        dict(model="examples/my_model.py:build", model_config={"widht": 8}),
+        "factory examples/my_model.py:build raised TypeError",
+    ),
     (dict(model="examples/my_model.py:build_classifier"), "returned a plain nn.Module: give input_shape"),
-    (dict(model="examples/my_model.py:build", num_classes=10), "num_classes 10 not used by examples/my_model.py:build"),
+    (
+        dict(model="examples/my_model.py:build", num_classes=10),
+        "num_classes 10 not used by examples/my_model.py:build",
+    ),
     (dict(model="json:dumps"), "factory json:dumps raised TypeError"),
     (dict(model="math:pi"), "factory function 'pi' not found in 'math'"),
-    (dict(model="json:loads", model_config={"s": "1"}), "factory json:loads returned int, not an nn.Module or a ModelSpec"),
+    (
+        dict(model="json:loads", model_config={"s": "1"}),
+        "factory json:loads returned int, not an nn.Module or a ModelSpec",
+    ),
 ]
 
 
@@ -225,8 +287,12 @@ def test_a_factory_whose_import_fails_says_so(tmp_path, monkeypatch):
 def test_hf_types_train_their_users_task_with_batches_of_the_right_shapes():
     tasks = {name: describe_model(*SOURCES[name]) for name in ("gpt2", "mixtral", "bert", "t5", "hf-vit")}
     assert {name: info.task for name, info in tasks.items()} == {
-        "gpt2": "causal-lm", "mixtral": "causal-lm", "bert": "masked-lm", "t5": "seq2seq-lm",
-        "hf-vit": "image-classification"}
+        "gpt2": "causal-lm",
+        "mixtral": "causal-lm",
+        "bert": "masked-lm",
+        "t5": "seq2seq-lm",
+        "hf-vit": "image-classification",
+    }
     assert tasks["bert"].description.startswith("BertForMaskedLM (hf:bert)")  # not BertLMHeadModel
     assert tasks["t5"].description.endswith("seq_len 64 (source and target)")
     bert = _spec("bert")
@@ -234,11 +300,15 @@ def test_hf_types_train_their_users_task_with_batches_of_the_right_shapes():
     labelled = batch["labels"] != -100
     assert set(batch) == {"input_ids", "labels"} and batch["labels"].shape == (4, 64)
     assert labelled.sum(dim=1).tolist() == [10] * 4  # BERT's 15% of 64 positions, in every sample
-    assert (batch["input_ids"][labelled] == TINY_BERT["vocab_size"] - 1).all()  # masked: the last id (no mask token)
+    assert (
+        batch["input_ids"][labelled] == TINY_BERT["vocab_size"] - 1
+    ).all()  # masked: the last id (no mask token)
     t5 = _spec("t5")
     batch = _batch(t5)
     assert batch["input_ids"].shape == batch["labels"].shape == (4, 64)
-    assert t5.module.config.decoder_start_token_id == t5.module.config.pad_token_id == 0  # as T5's checkpoints say
+    assert (
+        t5.module.config.decoder_start_token_id == t5.module.config.pad_token_id == 0
+    )  # as T5's checkpoints say
     assert torch.isclose(t5.loss(t5.module, batch), t5.module(**batch).loss)  # the model's own loss
 
 
@@ -247,7 +317,12 @@ def test_tied_weights_count_once():
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
     every = sum(p.numel() for _, p in gpt2.named_parameters(remove_duplicate=False))  # the tied tensor twice
     assert describe_model(*SOURCES["gpt2"]).params == every - 1000 * 64
-    assert t5.lm_head.weight is t5.shared.weight is t5.encoder.embed_tokens.weight is t5.decoder.embed_tokens.weight
+    assert (
+        t5.lm_head.weight
+        is t5.shared.weight
+        is t5.encoder.embed_tokens.weight
+        is t5.decoder.embed_tokens.weight
+    )
     every = sum(p.numel() for _, p in t5.named_parameters(remove_duplicate=False))
     assert describe_model(*SOURCES["t5"]).params == every - 3 * 1000 * 64  # shared four times, counted once
 
@@ -265,7 +340,9 @@ def test_frozen_parameters_are_counted_and_said_and_skip_their_weight_gradients(
 
 def test_a_mixture_of_experts_counts_the_routed_experts_only():
     top2 = describe_model(*SOURCES["mixtral"])
-    every = describe_model("hf:mixtral", {**TINY_MIXTRAL, "num_experts_per_tok": 4}, 64)  # all 4 experts active
+    every = describe_model(
+        "hf:mixtral", {**TINY_MIXTRAL, "num_experts_per_tok": 4}, 64
+    )  # all 4 experts active
     assert every.params == top2.params
     # Per token, layer and routed expert: gate_up (2 x 128 x 64) and down (64 x 128), 3 x 2 FLOPs per weight.
     assert every.flops_per_sample - top2.flops_per_sample == 2 * 64 * 2 * 6 * (2 * 128 * 64 + 64 * 128)
@@ -279,7 +356,7 @@ def test_a_mixture_of_experts_counts_the_routed_experts_only():
 
 @pytest.mark.parametrize("name", ["gpt2", "mixtral", "t5", "timm", "seed"])
 def test_saved_bytes_per_sample_counted_on_meta_bound_what_autograd_saves(name):
-    from ray_zero.meter import SavedForBackward
+    from ray_zero.measure.meter import SavedForBackward
 
     spec, counted = _spec(name), describe_model(*SOURCES[name]).saved_bytes_per_sample
     saved = SavedForBackward()

@@ -8,6 +8,7 @@ out of memory (an injected fault, after two full steps) goes on to 48. Also: an 
 leaves memory in use ends the run, a search at two ranks, and the model copy a GPU search trains.
 fit end to end through Ray: tests/test_fit.py; the search's decisions against tables: test_fit_search.py.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,17 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT
 from rank_group import RankGroup, experiment_of, trial_spec
-from ray_zero import calibration
+
 from ray_zero.config import Point
-from ray_zero.fit_search import Steps
-from ray_zero.model_spec import ModelSpec, copied
-from ray_zero.probing import LEAK_TOLERANCE_BYTES, SearchSpec
+from ray_zero.measure import calibration
+from ray_zero.measure.search import Steps
+from ray_zero.models.spec import ModelSpec, copied
+from ray_zero.train.probing import LEAK_TOLERANCE_BYTES, SearchSpec
 
 FIT = ROOT / "experiments" / "fit_gpt2_cpu.yaml"
-MIB, GIB = 2 ** 20, 2 ** 30
+MIB, GIB = 2**20, 2**30
 RSS_SPREAD_GIB = 0.25
 """How far an in-process probe's peak resident set may be from a fresh run's at the same point (the suite
 of 2026-12-03 measured +0.18 GiB for this case once: wider than fresh runs' own spread). Measured
@@ -51,8 +52,8 @@ def _in_a_thread(fn, *args):
 def fresh_then_search(rank: int, world_size: int, fresh, search: SearchSpec):
     """The process's first training (as a fresh run's rank), then `search` in the same process; then two
     probes that train copies of one kept model (what a GPU search does)."""
-    from ray_zero.probing import Prober, run_search
-    from ray_zero.worker import train
+    from ray_zero.train.probing import Prober, run_search
+    from ray_zero.train.worker import train
 
     def body():
         device = torch.device("cpu")
@@ -67,7 +68,7 @@ def fresh_then_search(rank: int, world_size: int, fresh, search: SearchSpec):
 
 
 def search_only(rank: int, world_size: int, search: SearchSpec):
-    from ray_zero.probing import run_search
+    from ray_zero.train.probing import run_search
 
     probes: list = []
     end = run_search(search, rank, world_size, torch.device("cpu"), probes.append)
@@ -113,7 +114,11 @@ def searched(own_rank):
 def test_an_out_of_memory_probe_is_followed_by_a_good_one_in_the_same_run(searched):
     _, end, probes, _ = searched
     assert end == "done"
-    assert [(p["micro_batch_size"], p["probe_status"]) for p in probes] == [(16, "ok"), (64, "oom"), (48, "ok")]
+    assert [(p["micro_batch_size"], p["probe_status"]) for p in probes] == [
+        (16, "ok"),
+        (64, "oom"),
+        (48, "ok"),
+    ]
     assert "out of memory during step 2" in probes[1]["error"] and probes[1]["phase"] == "step 2"
     assert probes[2]["steps"] == 3 and probes[2]["loss_last"] < probes[2]["loss_first"]
 
@@ -130,11 +135,20 @@ def test_teardown_returns_the_memory(searched):
 def test_an_in_process_probe_measures_what_a_fresh_run_does(searched):
     fresh, _, probes, _ = searched
     again = probes[2]  # micro-batch 48, after 64 ran out of memory in the same process
-    for key in ("loss_first", "loss_last", "saved_for_backward_bytes", "parameter_bytes", "gradient_bytes",
-                "optimizer_state_bytes", "master_param_bytes"):
+    for key in (
+        "loss_first",
+        "loss_last",
+        "saved_for_backward_bytes",
+        "parameter_bytes",
+        "gradient_bytes",
+        "optimizer_state_bytes",
+        "master_param_bytes",
+    ):
         assert again[key] == fresh[key], key  # same weights, data and engine: bit for bit
     assert abs(again["peak_allocated_gib"] - fresh["peak_allocated_gib"]) <= RSS_SPREAD_GIB, (
-        again["peak_allocated_gib"], fresh["peak_allocated_gib"])
+        again["peak_allocated_gib"],
+        fresh["peak_allocated_gib"],
+    )
 
 
 def test_a_kept_model_trains_as_a_fresh_build(searched):
@@ -146,8 +160,13 @@ def test_a_kept_model_trains_as_a_fresh_build(searched):
 
 
 def test_memory_left_after_an_out_of_memory_probe_ends_the_run(own_rank):
-    experiment = experiment_of(FIT, f"model={Path(__file__).resolve()}:leaky_model", "seq_len=null", "model_config={}",
-                               "fault={kind: oom, micro_batch_size: 1024, step: 2}").probe(3)
+    experiment = experiment_of(
+        FIT,
+        f"model={Path(__file__).resolve()}:leaky_model",
+        "seq_len=null",
+        "model_config={}",
+        "fault={kind: oom, micro_batch_size: 1024, step: 2}",
+    ).probe(3)
     search = SearchSpec(trial_spec(experiment, Point("deepspeed", 1, 1024, 1)), 8.0, Steps(1024, 2048))
     end, probes = own_rank.call(search_only, search, timeout=300)[0]
     # Two steps' outputs (2 x 1,024 x 65,536 floats, 512 MiB) stay referenced after the teardown.
@@ -159,7 +178,7 @@ def churn_and_release(rank: int, world_size: int) -> tuple[float, float, float]:
     """A probe's allocation pattern in small: a freed block of 30 MiB raises glibc's mmap threshold, then
     blocks of 2 MiB come from the heap, each followed by a small one that outlives it (as a probe's caches
     do). Resident MiB before, after they are freed and collected, and after `release`."""
-    from ray_zero.probing import memory_in_use, release
+    from ray_zero.train.probing import memory_in_use, release
 
     def resident() -> float:
         return memory_in_use(torch.device("cpu")) / MIB
@@ -188,7 +207,9 @@ def test_release_hands_the_freed_heap_back(own_rank):
 
 def test_two_ranks_take_the_same_decisions(ranks):
     experiment = experiment_of(FIT, "seq_len=128").probe(3)
-    search = SearchSpec(trial_spec(experiment, Point("deepspeed", 1, 8, 2)), 8.0, Steps(8, 32), calibrate=True)
+    search = SearchSpec(
+        trial_spec(experiment, Point("deepspeed", 1, 8, 2)), 8.0, Steps(8, 32), calibrate=True
+    )
     results = ranks(2).call(search_only, search)
     ends, probes = zip(*results)
     assert ends == ("done", "done")
@@ -196,16 +217,23 @@ def test_two_ranks_take_the_same_decisions(ranks):
     # Calibration at a sweep's three sizes, then 8, then the largest allowed (everything fits): done.
     sizes = calibration.calibration_sizes(search.spec.model, search.spec.precision)
     assert sequence[0] == sequence[1] == [("calibration", s) for s in sizes] + [("", 8), ("", 32)]
-    assert all(p["probe_status"] == "ok" and p["rank"] == rank for rank, mine in enumerate(probes) for p in mine)
+    assert all(
+        p["probe_status"] == "ok" and p["rank"] == rank for rank, mine in enumerate(probes) for p in mine
+    )
 
 
 def test_a_copied_spec_refers_to_its_own_module():
-    from ray_zero.models import build_model_spec, checkpoint_blocks
+    from ray_zero.models.describe import build_model_spec
+    from ray_zero.models.source import checkpoint_blocks
 
     torch.manual_seed(0)
-    config = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=100, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = dict(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=100, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     spec = build_model_spec("hf:gpt2", config, seq_len=16)
-    spec = dataclasses.replace(spec, enable_checkpointing=checkpoint_blocks(spec.blocks))  # a closure over blocks
+    spec = dataclasses.replace(
+        spec, enable_checkpointing=checkpoint_blocks(spec.blocks)
+    )  # a closure over blocks
     copy = copied(spec)
     assert all(a is not b for a, b in zip(copy.module.parameters(), spec.module.parameters()))
     assert [id(b) for b in copy.blocks] == [id(m) for m in copy.module.transformer.h]

@@ -1,6 +1,7 @@
 """ray_zero uses Ray's public API only: no `_internal` or `_private` module is named anywhere in the
 package (import, attribute, or a string handed to importlib), and no Ray Train class is subclassed to
 override its underscore methods. Ray Train V2 changes under those names, and users run other Ray versions."""
+
 from __future__ import annotations
 
 import ast
@@ -34,7 +35,9 @@ def _private_uses(tree: ast.AST) -> list[str]:
             names = [node.value]
         for name in names:
             parts = name.split(".")
-            if (parts[0] == "ray" or isinstance(node, (ast.ImportFrom,))) and any(p in PRIVATE for p in parts):
+            if (parts[0] == "ray" or isinstance(node, (ast.ImportFrom,))) and any(
+                p in PRIVATE for p in parts
+            ):
                 found.append(f"line {node.lineno}: {name}")
     return found
 
@@ -45,8 +48,13 @@ def _ray_train_subclasses_overriding_privates(tree: ast.AST, imported: dict[str,
         if isinstance(node, ast.ClassDef):
             bases = [imported.get(_dotted(b), _dotted(b)) for b in node.bases]
             if any(b.startswith("ray.train") or b.startswith("ray.tune.trainable") for b in bases):
-                private = [f.name for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                           and f.name.startswith("_") and not f.name.startswith("__")]
+                private = [
+                    f.name
+                    for f in node.body
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and f.name.startswith("_")
+                    and not f.name.startswith("__")
+                ]
                 if private:
                     found.append(f"class {node.name} overrides {private}")
     return found
@@ -63,12 +71,14 @@ def _imports(tree: ast.AST) -> dict[str, str]:
 
 def test_no_private_ray_module_and_no_overridden_train_internals():
     problems = []
-    modules = sorted(PACKAGE.glob("*.py"))
+    modules = sorted(PACKAGE.rglob("*.py"))
     assert len(modules) > 10
     for path in modules:
         tree = ast.parse(path.read_text())
         problems += [f"{path.name}: {p}" for p in _private_uses(tree)]
-        problems += [f"{path.name}: {p}" for p in _ray_train_subclasses_overriding_privates(tree, _imports(tree))]
+        problems += [
+            f"{path.name}: {p}" for p in _ray_train_subclasses_overriding_privates(tree, _imports(tree))
+        ]
     assert problems == []
 
 

@@ -1,23 +1,29 @@
-"""Models users bring, trained by a rank as a Ray Train worker trains them (ray_zero.worker.train under
+"""Models users bring, trained by a rank as a Ray Train worker trains them (ray_zero.train.worker.train under
 torch.distributed, gloo, 2 ranks, real DeepSpeed): a tiny GPT-2 and Llama from their Transformers
 configuration classes, a timm model, the example factory; each at ZeRO stage 0 and 1. Stage 1 holds half
 of stage 0's optimizer states per rank. The same through Ray, for a factory: tests/test_faults.py."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
-
 from conftest import ROOT
 from rank_group import experiment_of, trial_specs
 
 SOURCES = {
     "gpt2": [],  # experiments/tiny_models_cpu.yaml as it ships
-    "llama": ["model=hf:llama", "model_config={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
-              "num_attention_heads: 4, num_key_value_heads: 4, vocab_size: 1000}"],
+    "llama": [
+        "model=hf:llama",
+        "model_config={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
+        "num_attention_heads: 4, num_key_value_heads: 4, vocab_size: 1000}",
+    ],
     "timm": ["model=timm:test_vit", "model_config={}", "seq_len=null", "grid.micro_batch_size=[2]"],
-    "factory": ["model=examples/my_model.py:build", "model_config={features: 16, width: 64, depth: 2}",
-                "seq_len=null"],
+    "factory": [
+        "model=examples/my_model.py:build",
+        "model_config={features: 16, width: 64, depth: 2}",
+        "seq_len=null",
+    ],
 }
 
 
@@ -26,7 +32,9 @@ def test_each_model_source_trains_at_stage_0_and_1_on_two_ranks(source, ranks, m
     monkeypatch.chdir(ROOT)  # the factory's path is read from the working directory, as a sweep reads it
     experiment = experiment_of("experiments/tiny_models_cpu.yaml", *SOURCES[source])
     specs = trial_specs(experiment)
-    assert sorted((s.point.stage, s.point.num_workers) for s in specs.values()) == [(0, 2), (1, 2)], sorted(specs)
+    assert sorted((s.point.stage, s.point.num_workers) for s in specs.values()) == [(0, 2), (1, 2)], sorted(
+        specs
+    )
     rows = {spec.point.stage: ranks(2).row(spec) for spec in specs.values()}
     for stage, row in rows.items():
         assert row["status"] == "ok", row.get("error")

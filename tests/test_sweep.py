@@ -2,6 +2,7 @@
 real DeepSpeed, real MNIST digits), stopped with Ctrl-C after two trials and finished with `--resume`: its
 console, its three tiers of tables, each trial run exactly once. The other engines and stage 3, at rank
 level: tests/test_worker_engines.py; a trial started early: tests/test_faults.py."""
+
 from __future__ import annotations
 
 import json
@@ -17,14 +18,30 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-
 from conftest import ROOT
-from ray_zero.rows import COLUMNS
-from ray_zero.worker import jit_ops_dir
 
-REQUIRED = ["stage", "micro_batch_size", "num_workers", "precision", "model", "params", "dataset", "steps",
-            "status", "loss_first", "loss_last", "samples_per_s", "samples_per_s_per_worker",
-            "peak_allocated_gib_max", "peak_reserved_gib_max", "optimizer_state_bytes_per_rank_max", "wall_s"]
+from ray_zero.rows import COLUMNS
+from ray_zero.train.worker import jit_ops_dir
+
+REQUIRED = [
+    "stage",
+    "micro_batch_size",
+    "num_workers",
+    "precision",
+    "model",
+    "params",
+    "dataset",
+    "steps",
+    "status",
+    "loss_first",
+    "loss_last",
+    "samples_per_s",
+    "samples_per_s_per_worker",
+    "peak_allocated_gib_max",
+    "peak_reserved_gib_max",
+    "optimizer_state_bytes_per_rank_max",
+    "wall_s",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,22 +49,43 @@ def quick(tmp_path_factory):
     """The quick grid through the CLI, with --diagnostics, Ctrl-C once two trials are recorded, then
     `--resume`: (output folder, both runs' stdout, the records of the interrupted run)."""
     output = tmp_path_factory.mktemp("quick") / "out"
-    args = [sys.executable, "-m", "ray_zero", "sweep", "experiments/quick.yaml", "--set", "steps=6",
-            "--set", "warmup_steps=2", "--set", f"data_dir={output.parent / 'mnist'}", "--output", str(output),
-            "--diagnostics"]
+    args = [
+        sys.executable,
+        "-m",
+        "ray_zero",
+        "sweep",
+        "experiments/quick.yaml",
+        "--set",
+        "steps=6",
+        "--set",
+        "warmup_steps=2",
+        "--set",
+        f"data_dir={output.parent / 'mnist'}",
+        "--output",
+        str(output),
+        "--diagnostics",
+    ]
     sweep = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     record = output / "trials.jsonl"
     deadline = time.time() + 300
-    while time.time() < deadline and sweep.poll() is None and not (
-            record.is_file() and record.read_text().count("\n") >= 2):
+    while (
+        time.time() < deadline
+        and sweep.poll() is None
+        and not (record.is_file() and record.read_text().count("\n") >= 2)
+    ):
         time.sleep(0.5)
     sweep.send_signal(signal.SIGINT)  # Ctrl-C
     first_out, first_err = sweep.communicate(timeout=180)
     assert sweep.returncode == 130, first_out[-3000:] + first_err[-3000:]
     assert f"sweep --resume {output}" in first_err
     interrupted = [json.loads(line) for line in record.read_text().splitlines()]
-    resumed = subprocess.run([sys.executable, "-m", "ray_zero", "sweep", "--resume", str(output)], cwd=ROOT,
-                             capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "ray_zero", "sweep", "--resume", str(output)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     return output, first_out + resumed.stdout, interrupted
 
@@ -56,8 +94,15 @@ def test_interrupted_sweep_resumes_running_only_unfinished_trials(quick):
     output, _, interrupted = quick
     assert 2 <= len(interrupted) < 4, [r["trial"] for r in interrupted]
     lines = [json.loads(line) for line in (output / "trials.jsonl").read_text().splitlines()]
-    assert sorted(r["trial"] for r in lines) == ["stage0_mb64_w1", "stage0_mb64_w2", "stage1_mb64_w1", "stage1_mb64_w2"]
-    assert lines[:len(interrupted)] == interrupted  # every trial exactly once: the finished ones were not run again
+    assert sorted(r["trial"] for r in lines) == [
+        "stage0_mb64_w1",
+        "stage0_mb64_w2",
+        "stage1_mb64_w1",
+        "stage1_mb64_w2",
+    ]
+    assert (
+        lines[: len(interrupted)] == interrupted
+    )  # every trial exactly once: the finished ones were not run again
     assert "resumed" in (output / "experiment.yaml").read_text()
 
 
@@ -94,8 +139,10 @@ def test_quick_grid_gives_four_ok_rows_in_at_most_30_columns(quick):
 
 def test_zero1_halves_optimizer_state_per_rank_at_two_workers(quick):
     output, _, _ = quick
-    state = {(r.stage, r.num_workers): r.optimizer_state_bytes_per_rank_max
-             for r in pd.read_csv(output / "results.csv").itertuples()}
+    state = {
+        (r.stage, r.num_workers): r.optimizer_state_bytes_per_rank_max
+        for r in pd.read_csv(output / "results.csv").itertuples()
+    }
     assert abs(state[(1, 2)] / state[(0, 2)] - 0.5) < 0.01
     assert abs(state[(1, 1)] / state[(0, 1)] - 1.0) < 0.01
     assert state[(0, 2)] == state[(0, 1)]  # stage 0 replicates: flat in N
@@ -111,8 +158,13 @@ def test_per_rank_file_has_every_rank_and_memory_is_max_over_ranks(quick):
         assert sorted(mine["rank"]) == list(range(row.num_workers))
         assert row.peak_allocated_gib_max == pytest.approx(mine["peak_allocated_gib"].max())
         assert row.samples_per_s == pytest.approx(mine["samples_per_s"].sum())
-    phases = ["memory_after_model_gib", "memory_after_data_gib", "memory_after_initialize_gib",
-              "memory_after_first_backward_gib", "memory_after_first_step_gib"]
+    phases = [
+        "memory_after_model_gib",
+        "memory_after_data_gib",
+        "memory_after_initialize_gib",
+        "memory_after_first_backward_gib",
+        "memory_after_first_step_gib",
+    ]
     assert ranks[phases].notna().all().all() and (ranks["saved_for_backward_bytes"] > 0).all()
     assert (ranks["attempt"] == 1).all() and ranks["data_source"].str.contains("MNIST").all()
     assert not any(c.startswith("timed_thread") or c == "pid" for c in ranks.columns)  # those are diagnostics
@@ -122,8 +174,10 @@ def test_diagnostics_file_holds_the_host_figures_when_asked(quick):
     output, _, _ = quick
     diagnostics = pd.read_csv(output / "diagnostics.csv")
     assert len(diagnostics) == 6
-    assert ((diagnostics["model_build_at"] < diagnostics["warmed_up_at"])
-            & (diagnostics["warmed_up_at"] < diagnostics["finished_at"])).all()
+    assert (
+        (diagnostics["model_build_at"] < diagnostics["warmed_up_at"])
+        & (diagnostics["warmed_up_at"] < diagnostics["finished_at"])
+    ).all()
     assert (diagnostics["timed_thread_cpu_s"] > 0).all() and diagnostics["pid"].nunique() == 6
     assert set(diagnostics["working_dir"]) == {str(Path(__file__).resolve().parents[1])}  # Ray's folder kept
 
@@ -143,7 +197,16 @@ def test_results_markdown_provenance_and_plots(quick):
     assert header.count("|") - 1 <= 12 and markdown.count("| ok |") == 4
     assert "resident set" in markdown
     saved = (output / "experiment.yaml").read_text()
-    for key in ("question:", "python:", "torch:", "deepspeed: 0.19.8", "ray: 2.60.0", "cpu:", "date:", "command:"):
+    for key in (
+        "question:",
+        "python:",
+        "torch:",
+        "deepspeed: 0.19.8",
+        "ray: 2.60.0",
+        "cpu:",
+        "date:",
+        "command:",
+    ):
         assert key in saved
     assert (output / "memory.png").stat().st_size > 1000 and (output / "throughput.png").stat().st_size > 1000
 
@@ -155,5 +218,9 @@ def test_report_rerenders_without_ray(quick, cli):
     before = pd.read_csv(output / "results.csv")
     done = cli("report", str(output))
     assert done.returncode == 0, done.stderr
-    assert "stage1_mb64_w2" in done.stdout and (output / "results.md").is_file() and (output / "memory.png").is_file()
+    assert (
+        "stage1_mb64_w2" in done.stdout
+        and (output / "results.md").is_file()
+        and (output / "memory.png").is_file()
+    )
     pd.testing.assert_frame_equal(pd.read_csv(output / "results.csv"), before)

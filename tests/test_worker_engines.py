@@ -1,17 +1,24 @@
-"""The memory design space as a rank trains it (ray_zero.worker.train on 2 ranks under gloo, the seed
+"""The memory design space as a rank trains it (ray_zero.train.worker.train on 2 ranks under gloo, the seed
 model on synthetic batches): DeepSpeed ZeRO, PyTorch's ZeRO-1 (DDP + ZeroRedundancyOptimizer) and
 FSDP2, each with its stages, with and without activation checkpointing; the combinations an engine
 lacks are skipped rows with the reason. The engines themselves, on a toy model: tests/test_engines.py."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
-
 from rank_group import experiment_of, skipped_rows, trial_specs
 
-GRID = ["steps=5", "warmup_steps=1", "dataset=synthetic", "grid.backend=[deepspeed,torch_zero,fsdp]",
-        "grid.stage=[1,3]", "grid.num_workers=[2]", "grid.activation_checkpointing=[false,true]"]
+GRID = [
+    "steps=5",
+    "warmup_steps=1",
+    "dataset=synthetic",
+    "grid.backend=[deepspeed,torch_zero,fsdp]",
+    "grid.stage=[1,3]",
+    "grid.num_workers=[2]",
+    "grid.activation_checkpointing=[false,true]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +29,11 @@ def engines(ranks):
 
 
 def test_every_engine_and_stage_trains_with_and_without_checkpointing(engines):
-    assert sorted(engines) == sorted(f"{prefix}stage{stage}_mb64_w2{ac}" for prefix, stage in (
-        ("", 1), ("", 3), ("torch_zero_", 1), ("fsdp_", 3)) for ac in ("", "_ac"))
+    assert sorted(engines) == sorted(
+        f"{prefix}stage{stage}_mb64_w2{ac}"
+        for prefix, stage in (("", 1), ("", 3), ("torch_zero_", 1), ("fsdp_", 3))
+        for ac in ("", "_ac")
+    )
     for name, row in engines.items():
         assert row["status"] == "ok", (name, row["error"])
         assert row["loss_last"] < row["loss_first"] and math.isfinite(row["loss_last"]), name
@@ -33,8 +43,11 @@ def test_every_engine_and_stage_trains_with_and_without_checkpointing(engines):
 def test_engines_lacking_a_stage_are_skipped_rows_with_the_reason():
     skipped = skipped_rows(experiment_of("experiments/quick.yaml", *GRID))
     assert sorted((row["trial"], row["status"], row["error"]) for row in skipped) == [
-        (f"fsdp_stage1_mb64_w2{ac}", "skipped", "fsdp has stages 2, 3, not 1") for ac in ("", "_ac")] + [
-        (f"torch_zero_stage3_mb64_w2{ac}", "skipped", "torch_zero has stages 0, 1, not 3") for ac in ("", "_ac")]
+        (f"fsdp_stage1_mb64_w2{ac}", "skipped", "fsdp has stages 2, 3, not 1") for ac in ("", "_ac")
+    ] + [
+        (f"torch_zero_stage3_mb64_w2{ac}", "skipped", "torch_zero has stages 0, 1, not 3")
+        for ac in ("", "_ac")
+    ]
 
 
 def test_checkpointing_keeps_fewer_bytes_for_backward_and_the_same_loss(engines):
@@ -42,8 +55,13 @@ def test_checkpointing_keeps_fewer_bytes_for_backward_and_the_same_loss(engines)
         if name.endswith("_ac"):
             continue
         checkpointed = engines[f"{name}_ac"]
-        assert checkpointed["saved_for_backward_bytes_per_rank_max"] < row["saved_for_backward_bytes_per_rank_max"], name
-        assert checkpointed["loss_last"] == pytest.approx(row["loss_last"], rel=1e-4)  # same seed, fp32: the same training
+        assert (
+            checkpointed["saved_for_backward_bytes_per_rank_max"]
+            < row["saved_for_backward_bytes_per_rank_max"]
+        ), name
+        assert checkpointed["loss_last"] == pytest.approx(
+            row["loss_last"], rel=1e-4
+        )  # same seed, fp32: the same training
 
 
 def test_sharded_engines_split_the_optimizer_states(engines):

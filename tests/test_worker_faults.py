@@ -1,6 +1,7 @@
 """What a rank's failure makes of its trial's row, without Ray: the rank raises as it would under a Ray
 Train worker, and the row is made by the code the Ray path uses (ray_zero.rows.failed_row_fields). The
 same through Ray Tune (a sweep that goes on, a killed worker retried): tests/test_faults.py."""
+
 from __future__ import annotations
 
 from rank_group import experiment_of, trial_spec

@@ -1,6 +1,7 @@
 """The conformance zoo on the CPU: one tiny model of each architecture family, built offline from its
 configuration class, timm name or factory, each on its users' task, trained by 2 ranks as Ray Train
-workers train them (`ranks(2).row(spec)`: ray_zero.worker.train, gloo, real DeepSpeed and torch engines):
+workers train them (`ranks(2).row(spec)`: ray_zero.train.worker.train, gloo, real DeepSpeed and torch
+engines):
 
     decoder-only LMs    hf:gpt2 (learned positions, tied embeddings), hf:llama (RoPE, GQA),
                         hf:mixtral (routed experts: 2 of 4 per token)
@@ -16,41 +17,73 @@ rank holds, and what each rank holds, tensor by tensor, is the memory model's pr
 but for Adam's 4-byte step counters). Mixed precision's dtypes per engine: test_batchnorm_*. FLOPs
 (routed experts only, frozen weights' gradients skipped) and the hf tasks' batches: tests/test_models.py.
 """
+
 from __future__ import annotations
 
 import math
 
 import pytest
-
 from conftest import ROOT
 from rank_group import experiment_of, trial_specs
-from ray_zero.memory_model import predict_point
+
+from ray_zero.measure.memory_model import predict_point
 
 TOKENS = ["seq_len=32"]
 FAMILIES = {
-    "gpt2": ["model=hf:gpt2", "model_config={n_layer: 2, n_embd: 64, n_head: 4, vocab_size: 1000, n_positions: 64, "
-             "bos_token_id: 0, eos_token_id: 0}", *TOKENS],
-    "llama": ["model=hf:llama", "model_config={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
-              "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 1000, bos_token_id: 0, eos_token_id: 0}", *TOKENS],
-    "mixtral": ["model=hf:mixtral", "model_config={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
-                "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 1000, num_local_experts: 4, "
-                "num_experts_per_tok: 2, bos_token_id: 0, eos_token_id: 0}", *TOKENS],
-    "bert": ["model=hf:bert", "model_config={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
-             "num_attention_heads: 4, vocab_size: 1000}", *TOKENS],
-    "t5": ["model=hf:t5", "model_config={num_layers: 2, d_model: 64, d_ff: 128, num_heads: 4, d_kv: 16, vocab_size: 1000}",
-           *TOKENS],
-    "hf-vit": ["model=hf:vit", "model_config={num_hidden_layers: 2, hidden_size: 32, intermediate_size: 64, "
-               "num_attention_heads: 2, image_size: 32, patch_size: 8, num_labels: 10}", "seq_len=null"],
+    "gpt2": [
+        "model=hf:gpt2",
+        "model_config={n_layer: 2, n_embd: 64, n_head: 4, vocab_size: 1000, n_positions: 64, "
+        "bos_token_id: 0, eos_token_id: 0}",
+        *TOKENS,
+    ],
+    "llama": [
+        "model=hf:llama",
+        "model_config={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
+        "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 1000, bos_token_id: 0, eos_token_id: 0}",
+        *TOKENS,
+    ],
+    "mixtral": [
+        "model=hf:mixtral",
+        "model_config={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
+        "num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 1000, num_local_experts: 4, "
+        "num_experts_per_tok: 2, bos_token_id: 0, eos_token_id: 0}",
+        *TOKENS,
+    ],
+    "bert": [
+        "model=hf:bert",
+        "model_config={num_hidden_layers: 2, hidden_size: 64, intermediate_size: 128, "
+        "num_attention_heads: 4, vocab_size: 1000}",
+        *TOKENS,
+    ],
+    "t5": [
+        "model=hf:t5",
+        "model_config={num_layers: 2, d_model: 64, d_ff: 128, num_heads: 4, d_kv: 16, vocab_size: 1000}",
+        *TOKENS,
+    ],
+    "hf-vit": [
+        "model=hf:vit",
+        "model_config={num_hidden_layers: 2, hidden_size: 32, intermediate_size: 64, "
+        "num_attention_heads: 2, image_size: 32, patch_size: 8, num_labels: 10}",
+        "seq_len=null",
+    ],
     "timm-vit": ["model=timm:test_vit", "model_config={img_size: 64}", "seq_len=null"],
     "resnet": ["model=timm:test_resnet", "model_config={}", "seq_len=null", "input_shape=[3,64,64]"],
     "convnext": ["model=timm:test_convnext", "model_config={}", "seq_len=null", "input_shape=[3,64,64]"],
-    "adapter": ["model=examples/adapter_model.py:build", "model_config={vocab: 1000, width: 64, depth: 2, seq_len: 32}",
-                "seq_len=null"],
+    "adapter": [
+        "model=examples/adapter_model.py:build",
+        "model_config={vocab: 1000, width: 64, depth: 2, seq_len: 32}",
+        "seq_len=null",
+    ],
 }
 # Five steps of micro-batch 2 on each rank: the fifth step meets the first of the four synthetic batches
-# again (ray_zero.worker serves 4 in turn), so a model that learned falls below its first loss.
-SHORT = ["steps=5", "warmup_steps=1", "grid.micro_batch_size=[2]", "grid.num_workers=[2]",
-         "grid.backend=[deepspeed,torch_zero,fsdp]"]
+# again (ray_zero.train.worker serves 4 in turn), so a model that learned falls below its first loss.
+SHORT = [
+    "steps=5",
+    "warmup_steps=1",
+    "grid.micro_batch_size=[2]",
+    "grid.num_workers=[2]",
+    "grid.backend=[deepspeed,torch_zero,fsdp]",
+]
 ENGINES = ["grid.stage=[1,3]"]  # DeepSpeed 1 and 3, torch_zero 1, FSDP2 3 (torch_zero 3, FSDP2 1: skipped)
 EVERY_STAGE = ["grid.stage=[0,1,2,3]"]
 # bf16: each family on one engine (in turn), the BatchNorm network on all four.
@@ -59,10 +92,14 @@ STATES = ("parameter_bytes", "gradient_bytes", "master_param_bytes", "optimizer_
 
 
 def _rows(ranks, family: str, precision: str, grid: list[str], keep=lambda name: True) -> dict[tuple, dict]:
-    experiment = experiment_of("experiments/tiny_models_cpu.yaml", *FAMILIES[family], *SHORT, *grid,
-                               f"precision={precision}")
-    return {(family, precision, name): ranks(spec.point.num_workers).row(spec)
-            for name, spec in trial_specs(experiment).items() if keep(name)}
+    experiment = experiment_of(
+        "experiments/tiny_models_cpu.yaml", *FAMILIES[family], *SHORT, *grid, f"precision={precision}"
+    )
+    return {
+        (family, precision, name): ranks(spec.point.num_workers).row(spec)
+        for name, spec in trial_specs(experiment).items()
+        if keep(name)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -74,23 +111,50 @@ def zoo(ranks) -> dict[tuple, dict]:
         for index, family in enumerate(FAMILIES):
             rows.update(_rows(ranks, family, "fp32", EVERY_STAGE if family == "adapter" else ENGINES))
             wanted = BF16_ENGINE if family == "resnet" else [BF16_ENGINE[index % len(BF16_ENGINE)]]
-            rows.update(_rows(ranks, family, "bf16", ENGINES, keep=lambda name: name.rsplit("_mb", 1)[0] in wanted))
+            rows.update(
+                _rows(ranks, family, "bf16", ENGINES, keep=lambda name: name.rsplit("_mb", 1)[0] in wanted)
+            )
         # One GPU's setting: ZeRO-3 at one rank, where a small parameter's partition is the parameter.
-        rows.update(_rows(ranks, "resnet", "bf16", ["grid.stage=[3]", "grid.backend=[deepspeed]", "grid.num_workers=[1]"]))
+        rows.update(
+            _rows(
+                ranks,
+                "resnet",
+                "bf16",
+                ["grid.stage=[3]", "grid.backend=[deepspeed]", "grid.num_workers=[1]"],
+            )
+        )
     return rows
 
 
 def test_every_family_trains_on_every_engine(zoo):
     assert len(zoo) == 10 * 4 + 4 + 10 + 3 + 1
-    engines = {name.rsplit("_mb", 1)[0] for family, precision, name in zoo if family == "adapter" and precision == "fp32"}
-    assert engines == {"stage0", "stage1", "stage2", "stage3", "torch_zero_stage0", "torch_zero_stage1",
-                       "fsdp_stage2", "fsdp_stage3"}
-    assert {name.rsplit("_mb", 1)[0] for family, precision, name in zoo if precision == "bf16" and family == "resnet"} \
-        == set(BF16_ENGINE)
+    engines = {
+        name.rsplit("_mb", 1)[0]
+        for family, precision, name in zoo
+        if family == "adapter" and precision == "fp32"
+    }
+    assert engines == {
+        "stage0",
+        "stage1",
+        "stage2",
+        "stage3",
+        "torch_zero_stage0",
+        "torch_zero_stage1",
+        "fsdp_stage2",
+        "fsdp_stage3",
+    }
+    assert {
+        name.rsplit("_mb", 1)[0]
+        for family, precision, name in zoo
+        if precision == "bf16" and family == "resnet"
+    } == set(BF16_ENGINE)
     for key, row in zoo.items():
         assert row["status"] == "ok", (key, row["error"])
-        assert math.isfinite(row["loss_last"]) and row["loss_last"] < row["loss_first"], (key, row["loss_first"],
-                                                                                         row["loss_last"])
+        assert math.isfinite(row["loss_last"]) and row["loss_last"] < row["loss_first"], (
+            key,
+            row["loss_first"],
+            row["loss_last"],
+        )
         assert row["flops_per_sample"] > 0, key
 
 
@@ -116,26 +180,38 @@ def test_what_each_rank_holds_is_the_memory_models(zoo, monkeypatch):
             measured, expected = row[f"{state}_per_rank_max"], getattr(predicted, state)
             slack = 4 * _trainable_tensors(key[0]) + 4 if state == "optimizer_state_bytes" else 0
             assert expected <= measured <= expected + slack, (key, state, measured, expected)
-        assert row["measured_model_state_gib"] / row["predicted_model_state_gib"] == pytest.approx(1, abs=0.002), key
+        assert row["measured_model_state_gib"] / row["predicted_model_state_gib"] == pytest.approx(
+            1, abs=0.002
+        ), key
 
 
 def _trainable_tensors(family: str) -> int:
     from rank_group import describe
 
-    return len(describe(experiment_of("experiments/tiny_models_cpu.yaml", *FAMILIES[family])).trainable_param_shapes)
+    return len(
+        describe(experiment_of("experiments/tiny_models_cpu.yaml", *FAMILIES[family])).trainable_param_shapes
+    )
 
 
 def test_frozen_parameters_have_no_gradients_or_optimizer_states(zoo):
-    adapter = {name: row for (family, precision, name), row in zoo.items() if family == "adapter" and precision == "fp32"}
+    adapter = {
+        name: row
+        for (family, precision, name), row in zoo.items()
+        if family == "adapter" and precision == "fp32"
+    }
     row = adapter["torch_zero_stage0_mb2_w2"]
     trainable, frozen = row["trainable_params"], row["params"] - row["trainable_params"]
     assert frozen == 66_432 and trainable == 68_384
     for rank in row["per_rank"]:  # DDP: every parameter in fp32, gradients and Adam's states of the trainable
         assert rank["parameter_bytes"] == 4 * (trainable + frozen) and rank["gradient_bytes"] == 4 * trainable
-        assert 8 * trainable <= rank["optimizer_state_bytes"] <= 8 * trainable + 4 * 16  # 16 trainable tensors
+        assert (
+            8 * trainable <= rank["optimizer_state_bytes"] <= 8 * trainable + 4 * 16
+        )  # 16 trainable tensors
     # ZeRO-3 shards the frozen ones too (and keeps these small ones whole besides), with no master copy.
     stage3 = adapter["stage3_mb2_w2"]["per_rank"][0]
-    assert stage3["master_param_bytes"] == 4 * trainable // 2 and stage3["parameter_bytes"] > 4 * (trainable + frozen)
+    assert stage3["master_param_bytes"] == 4 * trainable // 2 and stage3["parameter_bytes"] > 4 * (
+        trainable + frozen
+    )
 
 
 def test_deepspeed_zero3_keeps_small_parameters_whole_on_every_rank(zoo):
@@ -162,21 +238,29 @@ def test_zero_redundancy_optimizer_deals_whole_tensors(zoo):
 
 # ------------------------------------------------------------------------------ half precision and BatchNorm
 
+
 def batchnorm_dtypes(rank: int, world_size: int, backend: str, stage: int, precision: str) -> dict:
     """On every rank: the resnet under one engine and precision; the dtypes its first convolution and
     first BatchNorm compute with in the first forward (weights as the engine presents them, running
     statistics, input, output), and three steps' losses; or the engine's refusal."""
     import torch
 
-    from ray_zero.engines import EngineSettings, batch_norms, build_engine
-    from ray_zero.model_spec import cast_floating
-    from ray_zero.models import build_model_spec
+    from ray_zero.models.describe import build_model_spec
+    from ray_zero.models.spec import cast_floating
+    from ray_zero.train.ds_config import batch_norms
+    from ray_zero.train.engines import build_engine
+    from ray_zero.train.settings import EngineSettings
 
     torch.manual_seed(0)
     spec = build_model_spec("timm:test_resnet", {}, None, [3, 64, 64], None)
     try:
-        engine = build_engine(spec, EngineSettings(backend=backend, stage=stage, precision=precision, micro_batch_size=2,
-                                                   world_size=world_size), torch.device("cpu"))
+        engine = build_engine(
+            spec,
+            EngineSettings(
+                backend=backend, stage=stage, precision=precision, micro_batch_size=2, world_size=world_size
+            ),
+            torch.device("cpu"),
+        )
     except Exception as error:
         return {"error": f"{type(error).__name__}: {error}"}
     seen: dict[str, dict[str, str]] = {}
@@ -185,9 +269,16 @@ def batchnorm_dtypes(rank: int, world_size: int, backend: str, stage: int, preci
 
     def record(name):
         def hook(module, inputs, output):
-            seen.setdefault(name, {"weight": str(module.weight.dtype), "input": str(inputs[0].dtype),
-                                   "output": str(output.dtype),
-                                   "running_mean": str(getattr(module, "running_mean", module.weight).dtype)})
+            seen.setdefault(
+                name,
+                {
+                    "weight": str(module.weight.dtype),
+                    "input": str(inputs[0].dtype),
+                    "output": str(output.dtype),
+                    "running_mean": str(getattr(module, "running_mean", module.weight).dtype),
+                },
+            )
+
         return hook
 
     hooks = [norm.register_forward_hook(record("norm")), convolution.register_forward_hook(record("conv"))]
@@ -199,7 +290,11 @@ def batchnorm_dtypes(rank: int, world_size: int, backend: str, stage: int, preci
         engine.step()
     for hook in hooks:
         hook.remove()
-    return {**seen, "losses": losses, "statistics_moved": not torch.equal(before, norm.running_mean.detach().float())}
+    return {
+        **seen,
+        "losses": losses,
+        "statistics_moved": not torch.equal(before, norm.running_mean.detach().float()),
+    }
 
 
 HALF = {"bfloat16": "bf16", "float16": "fp16"}
@@ -208,8 +303,11 @@ HALF = {"bfloat16": "bf16", "float16": "fp16"}
 @pytest.fixture(scope="module")
 def half(ranks) -> dict[tuple, dict]:
     """{(backend, stage, precision): rank 0's dtypes and losses} for the BatchNorm network."""
-    return {(backend, stage, precision): ranks(2).call(batchnorm_dtypes, backend, stage, precision)[0]
-            for precision in HALF.values() for backend, stage in (("deepspeed", 1), ("torch_zero", 1), ("fsdp", 3))}
+    return {
+        (backend, stage, precision): ranks(2).call(batchnorm_dtypes, backend, stage, precision)[0]
+        for precision in HALF.values()
+        for backend, stage in (("deepspeed", 1), ("torch_zero", 1), ("fsdp", 3))
+    }
 
 
 @pytest.mark.parametrize("torch_dtype", list(HALF))
@@ -220,12 +318,18 @@ def test_batchnorm_computes_as_each_engines_users_have_it(half, torch_dtype):
     low, fp32 = f"torch.{torch_dtype}", "torch.float32"
     precision = HALF[torch_dtype]
     expected = {
-        "deepspeed": {"conv": {"weight": low, "input": low, "output": low},
-                      "norm": {"weight": low, "running_mean": low, "input": low, "output": low}},
-        "torch_zero": {"conv": {"weight": fp32, "input": fp32, "output": low},  # autocast casts inside the op
-                       "norm": {"weight": fp32, "running_mean": fp32, "input": low, "output": low}},
-        "fsdp": {"conv": {"weight": low, "input": low, "output": low},
-                 "norm": {"weight": fp32, "running_mean": fp32, "input": low, "output": low}},
+        "deepspeed": {
+            "conv": {"weight": low, "input": low, "output": low},
+            "norm": {"weight": low, "running_mean": low, "input": low, "output": low},
+        },
+        "torch_zero": {
+            "conv": {"weight": fp32, "input": fp32, "output": low},  # autocast casts inside the op
+            "norm": {"weight": fp32, "running_mean": fp32, "input": low, "output": low},
+        },
+        "fsdp": {
+            "conv": {"weight": low, "input": low, "output": low},
+            "norm": {"weight": fp32, "running_mean": fp32, "input": low, "output": low},
+        },
     }
     for (backend, stage, p), measured in half.items():
         if p != precision:
@@ -236,22 +340,44 @@ def test_batchnorm_computes_as_each_engines_users_have_it(half, torch_dtype):
             continue
         assert "error" not in measured, (backend, precision, measured["error"])
         for layer, dtypes in expected[backend].items():
-            assert {k: measured[layer][k] for k in dtypes} == dtypes, (backend, precision, layer, measured[layer])
-        assert measured["losses"][-1] < measured["losses"][0] and measured["statistics_moved"], (backend, measured)
+            assert {k: measured[layer][k] for k in dtypes} == dtypes, (
+                backend,
+                precision,
+                layer,
+                measured[layer],
+            )
+        assert measured["losses"][-1] < measured["losses"][0] and measured["statistics_moved"], (
+            backend,
+            measured,
+        )
 
 
 def test_deepspeed_casts_batchnorm_buffers_only_for_batchnorm_networks():
     """What the engine gives deepspeed.initialize (fp16 cannot start on this CPU: its config is checked)."""
     import torch
 
-    from ray_zero.engines import EngineSettings, deepspeed_config
-    from ray_zero.models import build_model_spec
+    from ray_zero.models.describe import build_model_spec
+    from ray_zero.train.ds_config import deepspeed_config
+    from ray_zero.train.settings import EngineSettings
 
     resnet = build_model_spec("timm:test_resnet", {}, None, [3, 64, 64], None).module
-    llama = build_model_spec("hf:llama", {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
-                                          "num_attention_heads": 2, "vocab_size": 100}, 8).module
+    llama = build_model_spec(
+        "hf:llama",
+        {
+            "num_hidden_layers": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "vocab_size": 100,
+        },
+        8,
+    ).module
     for precision in ("fp16", "bf16"):
         settings = EngineSettings(precision=precision, stage=1)
-        assert deepspeed_config(settings, resnet, torch.device("cpu"))["data_types"] == {"buffer_dtype": precision}
-        assert "data_types" not in deepspeed_config(settings, llama, torch.device("cpu"))  # RoPE's inv_freq stays fp32
+        assert deepspeed_config(settings, resnet, torch.device("cpu"))["data_types"] == {
+            "buffer_dtype": precision
+        }
+        assert "data_types" not in deepspeed_config(
+            settings, llama, torch.device("cpu")
+        )  # RoPE's inv_freq stays fp32
     assert "data_types" not in deepspeed_config(EngineSettings(precision="fp32"), resnet, torch.device("cpu"))

@@ -1,0 +1,121 @@
+"""How each engine deals a model's parameters out to N ranks, tensor by tensor: the elements of
+parameters, of gradients and of optimizer states (master copy, Adam's moments) that its fullest rank
+holds. Pure arithmetic on the parameters' shapes (ray_zero.models.ModelInfo), read from the engines'
+code and checked tensor by tensor on 2 CPU ranks (tests/test_zoo.py):
+
+* DeepSpeed ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py, 0.19.8): the trainable parameters,
+  flattened in the module's order into one buffer padded to a multiple of 2N elements, split into N
+  equal partitions. A rank steps its partition, but its gradient buffer (`grads_in_partition`) holds
+  every tensor that overlaps the partition, whole: a large embedding across a boundary is held twice.
+* DeepSpeed ZeRO-3: each tensor split N ways (ceil(numel / N) elements per rank). Parameters of at
+  most `stage3_param_persistence_threshold` elements (1e5 by default; ray_zero's config leaves it) are
+  also kept whole on every rank, beside their partition (at N > 1: at one rank the two are one).
+* ZeroRedundancyOptimizer (torch_zero stage 1): whole tensors, largest first, each to the rank with the
+  fewest elements so far.
+* FSDP2: each tensor's first dimension split N ways, ceil(rows / N) rows per rank, padded.
+* DeepSpeed stage 0, DDP: everything on every rank.
+Frozen parameters are held (and cast, and partitioned) like the others, with no gradient and no states.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
+"""DeepSpeed's stage3_param_persistence_threshold default: parameters this small stay whole on every rank."""
+DEEPSPEED_ALIGNMENT = 2
+"""ZeRO-1/2's nccl_start_alignment_factor: its flat buffer is padded to a multiple of this times N."""
+
+Shape = Sequence[int]
+
+
+@dataclass(frozen=True)
+class Held:
+    """Elements the fullest rank holds, each kind on its own fullest rank (as the rows take the maximum
+    over ranks of each kind)."""
+
+    params: float
+    gradients: float
+    states: float
+    """Elements whose master copy and optimizer states the rank keeps (the partition it steps)."""
+    trainable: float
+    """Parameters that train (all ranks): the replicated engines' gradients and states."""
+
+
+def even(params: float, backend: str, stage: int, num_workers: int, trainable: float | None = None) -> Held:
+    """The split when the shapes are unknown: every partition an even 1/N, nothing kept whole."""
+    n, t = num_workers, params if trainable is None else trainable
+    sharded = (
+        (backend == "deepspeed" and stage >= 1)
+        or (backend == "torch_zero" and stage == 1)
+        or backend == "fsdp"
+    )
+    gradients_sharded = (backend == "deepspeed" and stage >= 1) or backend == "fsdp"
+    params_sharded = (backend == "deepspeed" and stage == 3) or backend == "fsdp"
+    return Held(
+        params=params / n if params_sharded else params,
+        gradients=t / n if gradients_sharded else t,
+        states=t / n if sharded else t,
+        trainable=t,
+    )
+
+
+def held(
+    trainable_shapes: Sequence[Shape],
+    frozen_shapes: Sequence[Shape],
+    backend: str,
+    stage: int,
+    num_workers: int,
+) -> Held:
+    """The elements each engine's fullest rank holds for parameters of these shapes (module order)."""
+    n = num_workers
+    trainable = [math.prod(s) for s in trainable_shapes]
+    every = trainable + [math.prod(s) for s in frozen_shapes]
+    t, p = sum(trainable), sum(every)
+    if backend == "deepspeed" and stage in (1, 2):
+        partition, gradients = _zero12_partitions(trainable, n)
+        return Held(params=partition * n + p - t, gradients=gradients, states=partition, trainable=t)
+    if backend == "deepspeed" and stage == 3:
+        split = sum(math.ceil(s / n) for s in trainable)
+        # At one rank the partition is the whole tensor, one storage (measured on CPU): nothing besides it.
+        whole = sum(s for s in every if s <= DEEPSPEED_PERSISTENCE_THRESHOLD) if n > 1 else 0
+        return Held(
+            params=sum(math.ceil(s / n) for s in every) + whole, gradients=split, states=split, trainable=t
+        )
+    if backend == "torch_zero" and stage == 1:
+        return Held(params=p, gradients=t, states=_greedy_largest(trainable, n), trainable=t)
+    if backend == "fsdp":
+        rows = _fsdp_rows(trainable_shapes, n)
+        return Held(params=rows + _fsdp_rows(frozen_shapes, n), gradients=rows, states=rows, trainable=t)
+    return Held(params=p, gradients=t, states=t, trainable=t)
+
+
+def _zero12_partitions(sizes: list[int], n: int) -> tuple[int, int]:
+    """ZeRO-1/2's partition size, and the most elements of whole tensors overlapping one partition."""
+    alignment = DEEPSPEED_ALIGNMENT * n
+    partition = math.ceil(sum(sizes) / alignment) * alignment // n
+    most = 0
+    for rank in range(n):
+        low, high, start, overlapping = rank * partition, (rank + 1) * partition, 0, 0
+        for size in sizes:  # stage_1_and_2.get_partition_info: starts inside, or straddles the start
+            if low <= start < high or start < low < start + size:
+                overlapping += size
+            start += size
+        most = max(most, overlapping)
+    return partition, most
+
+
+def _greedy_largest(sizes: list[int], n: int) -> int:
+    """ZeroRedundancyOptimizer._partition_parameters: largest first, to the least-loaded rank (the first
+    such on a tie); the most elements a rank gets."""
+    loads = [0] * n
+    for size in sorted(sizes, reverse=True):
+        loads[loads.index(min(loads))] += size
+    return max(loads)
+
+
+def _fsdp_rows(shapes: Sequence[Shape], n: int) -> int:
+    """FSDP2 shards dim 0: the first rank holds ceil(rows / N) rows of every tensor (a 0-d tensor whole)."""
+    return sum(math.ceil(shape[0] / n) * math.prod(shape[1:]) if shape else 1 for shape in shapes)

@@ -1,0 +1,283 @@
+"""Model sources: the experiment's `model:` string made into facts for the driver and a ModelSpec for a rank.
+
+    seed | base | large           the seed tutorial's Transformer at the sizes of
+    ray_zero.models.presets.PRESETS
+    hf:TYPE                       a Transformers model from its config (model_config), on its users' task:
+                                  causal LM, masked LM, sequence-to-sequence or image classifier
+                                  (hf_source.py)
+    timm:NAME                     a timm classifier, model_config as create_model's keyword arguments
+    package.module:function       a user's factory, called with **model_config; it returns a ModelSpec
+    path/to/file.py:function      or an nn.Module classifier (then input_shape and num_classes are needed)
+
+`describe_model` builds the model on the meta device (no memory) and counts its parameters (trainable and
+frozen, tensor by tensor: what the engines partition) and its training FLOPs with torch's
+FlopCounterMode; `build_model_spec` builds it for real on the CPU. Nothing is downloaded, transformers
+and timm are imported only for their sources, and every bad input raises one ModelError line. No Ray,
+no DeepSpeed here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from ray_zero.models.factory_source import FACTORY, build_factory
+from ray_zero.models.hf_source import DEFAULT_SEQ_LEN, build_hf  # noqa: F401 (DEFAULT_SEQ_LEN: part of this module's API)
+from ray_zero.models.presets import IMAGE_SIZE, NUM_CLASSES, PRESETS, ModelPreset
+from ray_zero.models.source import (  # noqa: F401
+    Built,
+    ModelError,
+    checkpoint_blocks,
+    classifier_spec,
+    find_blocks,
+    image_detail,
+    one_line,
+    refuse,
+)
+from ray_zero.models.spec import Batch, ModelSpec
+from ray_zero.models.timm_source import build_timm
+
+ALLOWED_FORMS = (
+    f"allowed: a preset ({' | '.join(PRESETS)}), hf:TYPE, timm:NAME, "
+    "package.module:function or path/to/file.py:function"
+)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the driver knows of a model before any training: plain data, no torch objects."""
+
+    source: str
+    """The model string as given."""
+    kind: str
+    """"preset" | "hf" | "timm" | "factory"."""
+    task: str
+    """"image-classification" | "causal-lm" | "masked-lm" | "seq2seq-lm" | "custom"."""
+    params: int
+    """Parameter count, tied weights counted once, frozen parameters included."""
+    param_bytes: int
+    """Bytes of all parameters in the dtype the model is built in."""
+    flops_per_sample: float
+    """Training FLOPs (forward + backward) per sample, counted by FlopCounterMode on the meta device
+    (a mixture of experts: the routed experts' only)."""
+    seq_len: int | None
+    """Tokens per sample (token models), else None."""
+    max_positions: int | None
+    """A token model's maximum positions (its config's max_position_embeddings), else None."""
+    description: str
+    """One short line, e.g. "GPT2LMHeadModel (hf:gpt2), 124,439,808 parameters, seq_len 1024"."""
+    trainable_param_shapes: tuple[tuple[int, ...], ...] = ()
+    """The shape of each parameter that trains (requires_grad), in the module's order: what gets gradients,
+    master copies and optimizer states, and what the engines partition (DeepSpeed's flat buffers in this
+    order, ZeroRedundancyOptimizer whole tensors, FSDP2 each tensor's first dimension)."""
+    frozen_param_shapes: tuple[tuple[int, ...], ...] = ()
+    """The shape of each frozen parameter, in the module's order: held (cast, partitioned) like the others,
+    with no gradient, master copy or optimizer state."""
+    largest_block_params: int | None = None
+    """Parameters of the largest repeated block (what FSDP2 gathers at a time), None without blocks."""
+    saved_bytes_per_sample: int | None = None
+    """Bytes autograd saves for backward for one sample (activations, each storage once, parameters left
+    out), counted on the meta device in the dtype the model is built in: what calibration sizes from. An
+    upper bound: on meta, attention keeps every head's attention matrix (eager, or SDPA's math path),
+    which fused attention kernels do not (1.0-1.35x of the CPU's count on the tiny test models)."""
+
+    @property
+    def trainable_params(self) -> int:
+        """Parameters that train; all of them for a description without shapes (earlier versions)."""
+        if not (self.trainable_param_shapes or self.frozen_param_shapes):
+            return self.params
+        return sum(math.prod(shape) for shape in self.trainable_param_shapes)
+
+
+class SmallTransformer(nn.Module):
+    """The seed tutorial's network: Conv2d patch embedding -> learned positions -> TransformerEncoder ->
+    mean pool -> linear head, on 1x28x28 images."""
+
+    def __init__(self, preset: ModelPreset):
+        super().__init__()
+        self.patch_embed = nn.Conv2d(1, preset.dim, kernel_size=preset.patch, stride=preset.patch)
+        self.pos_embed = nn.Parameter(torch.randn(1, preset.num_patches, preset.dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(
+            d_model=preset.dim,
+            nhead=preset.heads,
+            dim_feedforward=preset.ff_dim,
+            dropout=preset.dropout,
+            batch_first=True,
+        )
+        # enable_nested_tensor only matters for padded inference; off avoids a warning.
+        self.transformer = nn.TransformerEncoder(layer, num_layers=preset.depth, enable_nested_tensor=False)
+        self.head = nn.Linear(preset.dim, NUM_CLASSES)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        tokens = self.patch_embed(images).flatten(2).transpose(1, 2)  # (B, patches, dim)
+        return self.head(self.transformer(tokens + self.pos_embed).mean(dim=1))
+
+
+def describe_model(
+    model: str,
+    model_config: dict | None = None,
+    seq_len: int | None = None,
+    input_shape: list[int] | None = None,
+    num_classes: int | None = None,
+    check_params: Callable[[int], None] | None = None,
+) -> ModelInfo:
+    """Parameters and training FLOPs per sample of `model`, built on the meta device (no memory used).
+    `check_params(count)` runs before the FLOPs are counted (seconds for a large model): a model that
+    cannot fit is refused without waiting for them."""
+    with torch.device("meta"):
+        built = _build(model, model_config, seq_len, input_shape, num_classes, counting=True)
+    module = built.spec.module
+    params = list(module.parameters())  # unique Parameter objects: tied embeddings count once
+    count = sum(p.numel() for p in params)
+    if check_params is not None:
+        check_params(count)
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    flops, saved = _count_one_sample(model, built.spec)
+    blocks = built.spec.blocks
+    largest_block = max(sum(p.numel() for p in block.parameters()) for block in blocks) if blocks else None
+    frozen_note = f" ({frozen:,} of them frozen)" if frozen else ""
+    return ModelInfo(
+        source=model,
+        kind=built.kind,
+        task=built.task,
+        params=count,
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        flops_per_sample=flops,
+        saved_bytes_per_sample=saved,
+        seq_len=built.seq_len,
+        max_positions=built.max_positions,
+        description=f"{type(module).__name__} ({model}), {count:,} parameters{frozen_note}{built.detail}",
+        trainable_param_shapes=tuple(tuple(p.shape) for p in params if p.requires_grad),
+        frozen_param_shapes=tuple(tuple(p.shape) for p in params if not p.requires_grad),
+        largest_block_params=largest_block,
+    )
+
+
+def build_model_spec(
+    model: str,
+    model_config: dict | None = None,
+    seq_len: int | None = None,
+    input_shape: list[int] | None = None,
+    num_classes: int | None = None,
+) -> ModelSpec:
+    """The real model on the CPU, in training mode (seed torch first), and how to train it."""
+    spec = _build(model, model_config, seq_len, input_shape, num_classes, counting=False).spec
+    spec.module.train()
+    return spec
+
+
+def _build(
+    model: str,
+    config: dict | None,
+    seq_len: int | None,
+    input_shape: list[int] | None,
+    num_classes: int | None,
+    counting: bool,
+) -> Built:
+    if config is not None and not isinstance(config, dict):
+        raise ModelError(f"model_config must be a mapping of keyword arguments, not {type(config).__name__}")
+    config = dict(config or {})
+    if not isinstance(model, str) or not model:
+        raise ModelError(f"model must be a non-empty string; {ALLOWED_FORMS}")
+    if seq_len is not None and (not isinstance(seq_len, int) or seq_len < 1):
+        raise ModelError(f"seq_len must be a positive integer, not {seq_len!r}")
+    if model in PRESETS:
+        return _preset(model, config, seq_len, input_shape, num_classes)
+    prefix, _, name = model.partition(":")
+    if prefix == "hf" and name:
+        return build_hf(name, config, seq_len, input_shape, num_classes, counting)
+    if prefix == "timm" and name:
+        return build_timm(name, config, seq_len, input_shape, num_classes)
+    match = FACTORY.fullmatch(model)
+    if match is None:
+        raise ModelError(f"malformed model {model!r}; {ALLOWED_FORMS}")
+    return build_factory(model, match["target"], match["function"], config, seq_len, input_shape, num_classes)
+
+
+def _preset(name, config, seq_len, input_shape, num_classes) -> Built:
+    if config:
+        raise ModelError(
+            f"preset {name!r} takes no model_config (got {sorted(config)}); its sizes are "
+            "fixed in ray_zero/sizes.py: use hf:, timm: or a factory for another shape"
+        )
+    shape = (1, IMAGE_SIZE, IMAGE_SIZE)
+    refuse(
+        name,
+        "it trains on 1x28x28 MNIST-shaped images, 10 classes",
+        seq_len=seq_len,
+        input_shape=None if input_shape is None or tuple(input_shape) == shape else input_shape,
+        num_classes=None if num_classes in (None, NUM_CLASSES) else num_classes,
+    )
+    module = SmallTransformer(PRESETS[name])
+    blocks = list(module.transformer.layers)
+    spec = classifier_spec(module, shape, NUM_CLASSES, blocks, checkpoint_blocks(blocks))
+    return Built(spec, "preset", "image-classification", detail=image_detail(shape, NUM_CLASSES))
+
+
+def _count_one_sample(source: str, spec: ModelSpec) -> tuple[float, int]:
+    """FlopCounterMode's count of one forward + backward of a 1-sample batch, all on the meta device, and
+    the bytes autograd saved for that backward (each storage once, parameters left out: the activations
+    of one sample, as ray_zero.measure.meter.SavedForBackward counts them on a rank, in the dtype the model is
+    built in). The batch is made on the CPU (no meta generator exists) and moved to meta. Two samples,
+    halved: BatchNorm refuses one sample where a feature map is 1x1 (a ResNet on 32x32 images)."""
+    batch = _to_device(
+        spec.make_batch(SAMPLES, torch.device("cpu"), torch.Generator().manual_seed(0)), "meta"
+    )
+    # Meta storages have no data pointer: a storage is known by its StorageImpl's address (_cdata).
+    seen = {p.untyped_storage()._cdata for p in spec.module.parameters()}
+    saved = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        base = tensor._base if tensor._base is not None else tensor
+        storage = tensor.untyped_storage()
+        if (
+            not isinstance(base, nn.Parameter)
+            and not _gathered_weights(tensor)
+            and storage._cdata not in seen
+        ):
+            seen.add(storage._cdata)
+            saved += storage.nbytes()
+        return tensor
+
+    try:
+        with (
+            FlopCounterMode(display=False) as counter,
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            spec.loss(spec.module, batch).backward()
+    except Exception as error:
+        raise ModelError(
+            f"a forward and backward of one sample of {source} failed on the meta device: {one_line(error)}"
+        ) from None
+    return float(counter.get_total_flops()) / SAMPLES, saved // SAMPLES
+
+
+SAMPLES = 2
+"""The batch _count_one_sample counts, divided by it."""
+
+
+def _gathered_weights(tensor: torch.Tensor) -> bool:
+    """Rows of a parameter indexed out (batched_mm's per-token copies of its experts' weights): counting's
+    stand-in for the grouped_mm that trains, which keeps no such copies."""
+    function = tensor.grad_fn
+    return (
+        function is not None
+        and type(function).__name__ == "IndexBackward0"
+        and any(type(parent).__name__ == "AccumulateGrad" for parent, _ in function.next_functions)
+    )
+
+
+def _to_device(batch: Batch, device) -> Batch:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {key: _to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(value, device) for value in batch)
+    return batch

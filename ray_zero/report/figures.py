@@ -1,0 +1,514 @@
+"""The report page's figures: `Figure`, and `Figures` with the drawing they share and memory and
+throughput against workers and micro-batch size (`against`).
+
+Figures are matplotlib, written as inline SVG, not Plotly. Why: Plotly's page needs its script inlined
+to work offline, 4.8 MB (plotly.js of plotly 7.1: 4,815,765 bytes) before the first point, in every
+results folder that git keeps; the SVG page of the 8-trial memory_scaling sweep is 0.11 MB, a 50-trial
+one 0.36 MB. SVG draws without any script, prints as sharp vectors, and matplotlib already draws the
+project's PNGs. What Plotly would add is hovering and zooming; every number is in the sortable table
+instead, and each marker carries an SVG <title> (the browser shows it on hover). Each drawn marker has an
+id naming its figure, its role and its trial (`fig3--measured--stage1_mb64_w2`), so a test counts them in
+the rendered page.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on clusters or CI
+import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+
+from ray_zero.report.data import (  # noqa: E402
+    SETTING_KEYS,
+    Sweep,
+    _gib,
+    _int_text,
+    _number,
+    _percent,
+    device_memory,
+    fmt,
+    setting_label,
+)
+
+
+def _settings(frame: pd.DataFrame) -> dict[str, int]:
+    """Each engine setting's colour index, in the table's order (the same colour in every figure)."""
+    labels = [setting_label(r) for r in frame.sort_values(SETTING_KEYS, kind="stable").to_dict("records")]
+    return {label: i for i, label in enumerate(dict.fromkeys(labels))}
+
+
+def _colour(index: int) -> str:
+    return f"C{index % 10}"
+
+
+def _from_zero(axes: list) -> None:
+    """y from 0 to a tenth above the highest point of any of `axes` (panels compared side by side: one
+    scale, and room above the top marker)."""
+    tops = [ax.dataLim.y1 for ax in axes if ax is not None and math.isfinite(ax.dataLim.y1)]
+    top = max(tops, default=0.0)
+    for ax in axes:
+        if ax is not None:
+            ax.set_ylim(0, top * 1.1 if top > 0 else 1.0)
+
+
+def legend_right(fig, handles: list, left_chars: Optional[int] = None) -> None:
+    """The legend in a column to the right of the axes, as wide as its longest label, the axes laid out in
+    the rest (no second drawing pass, as bbox_inches="tight" would make: a 50-row page stays fast).
+    With `left_chars` (the longest tick label, at 7.5 points) the margins are set by arithmetic rather than
+    by tight_layout's measuring of every label: the breakdown's many bars."""
+    width_in, height_in = fig.get_figwidth(), fig.get_figheight()
+    longest = max((len(h.get_label()) for h in handles), default=0)
+    share = min(0.45, (0.75 + 0.06 * longest) / width_in)  # 8-point DejaVu Sans: about 0.06 in a character
+    if left_chars is None:
+        fig.tight_layout(rect=(0, 0, 1 - share, 1))
+    else:
+        fig.subplots_adjust(
+            left=min(0.5, (0.3 + 0.064 * left_chars) / width_in),
+            right=1 - share - 0.02,
+            bottom=0.5 / height_in,
+            top=1 - 0.12 / height_in,
+        )
+    fig.legend(
+        handles=handles, loc="upper left", bbox_to_anchor=(1 - share + 0.005, 0.98), fontsize=8, frameon=False
+    )
+
+
+@dataclass
+class Figure:
+    id: str
+    title: str
+    caption: str
+    svg: str = ""
+    skipped: str = ""
+    """The sentence shown instead, when the figure would have nothing to show."""
+    kind: str = ""
+    only: str = ""
+    """Skipped for want of a second x value: where every trial ran ("with 1 worker", "at micro-batch 64")."""
+
+
+class Figures:
+    """Draws the page's figures as SVG strings; every marker tagged with an id and a hover title."""
+
+    def __init__(self, sweep: Sweep):
+        self.sweep = sweep
+        self.count = 0
+        self.colours = _settings(sweep.frame)
+        self.memory, self.memory_source = device_memory(sweep)
+        self.shift = lambda x: x
+
+    def new(self, title: str, caption: str, kind: str) -> Figure:
+        self.count += 1
+        return Figure(f"fig{self.count}", title, caption, kind=kind)
+
+    def svg(self, fig, figure: Figure, titles: dict[str, str]) -> str:
+        with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": figure.id, "font.size": 9}):
+            buffer = io.StringIO()
+            fig.savefig(buffer, format="svg", metadata={"Date": None})
+        plt.close(fig)
+        text = buffer.getvalue()
+        text = text[text.index("<svg") :]  # drop the XML declaration and DOCTYPE: inline in HTML
+        text = re.sub(
+            r'<svg ([^>]*?)width="([\d.]+)pt" height="([\d.]+)pt"',
+            lambda m: (
+                f'<svg {m.group(1)}class="chart" role="img" aria-label="{html.escape(figure.title)}" '
+                f'style="max-width:{float(m.group(2)) * 4 / 3:.0f}px"'
+            ),
+            text,
+            count=1,
+        )
+        text = re.sub(r"<metadata>.*?</metadata>\s*", "", text, count=1, flags=re.S)
+        for gid, title in titles.items():  # the browser's hover text on each marker
+            text = text.replace(f'<g id="{gid}">', f'<g id="{gid}"><title>{html.escape(title)}</title>', 1)
+        return text
+
+    # ---- memory and throughput against workers / micro-batch
+
+    def _facets(self, rows: pd.DataFrame, axis: str, second: bool = False):
+        """One panel per value of the other axis (up to 3 a row; "1 worker", "micro-batch 64"), each with
+        a second, lower panel when `second` (MFU, or the model states of CPU rows). Panels of one row
+        share their y axis. Returns the figure and (top, bottom or None, value, rows, title) per panel."""
+        other = "micro_batch_size" if axis == "num_workers" else "num_workers"
+        values = sorted(rows[other].dropna().unique())
+        columns = min(3, len(values))
+        blocks = (len(values) + columns - 1) // columns
+        per_block = 2 if second else 1
+        fig, axes = plt.subplots(
+            blocks * per_block,
+            columns,
+            squeeze=False,
+            sharey="row",
+            sharex="col" if second else "none",
+            gridspec_kw={"height_ratios": [3, 2] * blocks} if second else None,
+            figsize=(9.6 if columns > 1 else 7.6, (5.8 if second else 3.6) * blocks),
+        )
+
+        def title(value) -> str:
+            if other == "micro_batch_size":
+                return f"micro-batch {_int_text(value)}"
+            return f"{_int_text(value)} worker" + ("" if _int_text(value) == "1" else "s")
+
+        facets = []
+        for index, value in enumerate(values):
+            block, column = divmod(index, columns)
+            top = axes[block * per_block, column]
+            bottom = axes[block * per_block + 1, column] if second else None
+            facets.append((top, bottom, value, rows[rows[other] == value], title(value)))
+        for index in range(len(values), blocks * columns):  # the last row's empty places
+            block, column = divmod(index, columns)
+            for row in range(per_block):
+                axes[block * per_block + row, column].set_visible(False)
+        return fig, facets
+
+    @staticmethod
+    def _log_axis(axis: str, values: Iterable[float]) -> bool:
+        values = sorted(set(values))
+        return axis == "micro_batch_size" and bool(values) and values[-1] / max(values[0], 1) > 8
+
+    def dodge(self, axis: str, values: Iterable[float], position: int, count: int) -> None:
+        """Settings side by side: each setting's points moved a little along x (1.5% of the axis per
+        setting), so that equal values at the same x stay visible. Ticks stay at the true values."""
+        values = sorted(set(float(v) for v in values))
+        step = (position - (count - 1) / 2) * 0.015
+        if count < 2 or len(values) < 1:
+            self.shift = lambda x: x
+        elif self._log_axis(axis, values):
+            factor = 2 ** (step * math.log2(values[-1] / values[0]))
+            self.shift = lambda x: x * factor
+        else:
+            span = (values[-1] - values[0]) or 1.0
+            self.shift = lambda x: x + step * span
+
+    def _x_axis(self, ax, axis: str, values: Iterable[float]) -> None:
+        values = sorted(set(values))
+        if self._log_axis(axis, values):
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(values)
+        ax.set_xticklabels([_int_text(v) for v in values])
+        ax.set_xlabel(
+            "workers (data-parallel ranks)" if axis == "num_workers" else "micro-batch size per rank"
+        )
+        ax.grid(alpha=0.3)
+
+    def _points(
+        self,
+        ax,
+        group: pd.DataFrame,
+        axis: str,
+        column: str,
+        role: str,
+        figure: Figure,
+        titles: dict,
+        colour: str,
+        style: str,
+        marker: str,
+        describe,
+        hollow: bool = False,
+        scale: float = 1.0,
+    ) -> int:
+        """A line through a setting's points and one tagged marker per row (y = the column × `scale`); the
+        number of markers drawn."""
+        drawn = group[group[column].notna()].sort_values(axis)
+        if len(drawn) > 1:
+            ax.plot(
+                [self.shift(x) for x in drawn[axis]],
+                drawn[column] * scale,
+                style,
+                color=colour,
+                alpha=0.8 if style == "--" else 1.0,
+            )
+        for record in drawn.to_dict("records"):
+            gid = f"{figure.id}--{role}--{record['trial']}"
+            (marker_line,) = ax.plot(
+                [self.shift(record[axis])],
+                [record[column] * scale],
+                marker,
+                color=colour,
+                markersize=8 if hollow else 6,
+                markerfacecolor="none" if hollow else colour,
+                linestyle="none",
+                zorder=2.5 if hollow else 3,
+            )
+            marker_line.set_gid(gid)
+            titles[gid] = describe(record)
+        return len(drawn)
+
+    def against(self, axis: str, what: str, kind: str) -> Figure:
+        """Memory (what="memory") or throughput (what="speed") of one memory kind against `axis`.
+
+        GPU memory: the measured peak (solid, filled) and the predicted (dashed, hollow), out-of-memory
+        trials as × at the memory they held, the device's memory dotted. CPU memory: the resident set
+        above, the model states counted and predicted below (on its own scale: megabytes beside the
+        resident set's gigabytes). Throughput: samples/s above, MFU below on GPU."""
+        frame = self.sweep.frame[self.sweep.frame["memory_kind"].fillna("cuda") == kind]
+        ok = frame[frame["status"] == "ok"]
+        oom = frame[frame["status"] == "oom"] if what == "memory" else frame.iloc[0:0]
+        gpu, memory = kind == "cuda", what == "memory"
+        axis_words = "workers" if axis == "num_workers" else "micro-batch size"
+        device = "GPU" if gpu else "CPU"
+        if memory:
+            title = f"Memory per rank against {axis_words} ({device})"
+            caption = (
+                "Peak CUDA memory allocated per rank, max over ranks: measured (solid, filled) against the "
+                "memory model's prediction (dashed, hollow); × marks an out-of-memory trial at the memory "
+                "it held when it failed."
+                if gpu
+                else "Above, each worker process's peak resident set (Python, torch and Ray included: not "
+                "comparable with GPU memory). Below, on its own scale, the model states counted tensor by "
+                "tensor (solid) and what the memory model predicts for them (dashed, hollow)."
+            )
+        else:
+            title = f"Throughput against {axis_words} ({device})"
+            caption = "Samples per second over the timed steps, summed over ranks" + (
+                "; below, model FLOPs utilisation (MFU), mean over ranks." if gpu else "."
+            )
+        figure = self.new(title, caption, f"{what}-{axis}")
+        plotted = pd.concat([ok, oom])
+        if plotted.empty:
+            figure.skipped = f"No {device} trial finished: nothing to draw against {axis_words}."
+            return figure
+        if plotted[axis].nunique() < 2:
+            only = _int_text(plotted[axis].iloc[0])
+            figure.only = (
+                (f"with {only} worker" + ("" if only == "1" else "s"))
+                if axis == "num_workers"
+                else f"at micro-batch {only}"
+            )
+            figure.skipped = (
+                f"Every {device} trial ran {figure.only}: nothing to draw against {axis_words}; "
+                "the table and the breakdown compare them."
+            )
+            return figure
+        second = (not gpu and memory and ok["measured_model_state_gib"].notna().any()) or (
+            gpu and not memory and ok["mfu"].notna().any()
+        )
+        fig, facets = self._facets(plotted, axis, second)
+        titles: dict[str, str] = {}
+        used: list[str] = []
+        present = [label for label, _ in self._by_setting(plotted)]
+        for top, bottom, _, group, facet_title in facets:
+            for label, setting in self._by_setting(group):
+                colour = _colour(self.colours.get(label, 0))
+                used.append(label)
+                self.dodge(axis, plotted[axis], present.index(label), len(present))
+                done = setting[setting["status"] == "ok"]
+                if memory:
+                    self._points(
+                        top,
+                        done,
+                        axis,
+                        "peak_allocated_gib_max",
+                        "measured",
+                        figure,
+                        titles,
+                        colour,
+                        "-",
+                        "o",
+                        lambda r: (
+                            f"{r['trial']}: {'peak' if gpu else 'peak resident set'} "
+                            f"{_gib(r['peak_allocated_gib_max'])} measured"
+                        ),
+                    )
+                    if gpu:
+                        self._points(
+                            top,
+                            done,
+                            axis,
+                            "predicted_peak_gib",
+                            "predicted",
+                            figure,
+                            titles,
+                            colour,
+                            "--",
+                            "s",
+                            lambda r: f"{r['trial']}: peak {_gib(r['predicted_peak_gib'])} predicted",
+                            hollow=True,
+                        )
+                    elif bottom is not None:
+                        self._points(
+                            bottom,
+                            done,
+                            axis,
+                            "measured_model_state_gib",
+                            "states",
+                            figure,
+                            titles,
+                            colour,
+                            "-",
+                            "^",
+                            lambda r: (
+                                f"{r['trial']}: model states "
+                                f"{float(r['measured_model_state_gib']) * 1024:.3f} MiB counted"
+                            ),
+                            scale=1024,
+                        )
+                        self._points(
+                            bottom,
+                            done,
+                            axis,
+                            "predicted_model_state_gib",
+                            "predicted",
+                            figure,
+                            titles,
+                            colour,
+                            "--",
+                            "^",
+                            lambda r: (
+                                f"{r['trial']}: model states "
+                                f"{float(r['predicted_model_state_gib']) * 1024:.3f} MiB predicted"
+                            ),
+                            hollow=True,
+                            scale=1024,
+                        )
+                    self._failures(top, setting, axis, figure, titles, colour)
+                else:
+                    self._points(
+                        top,
+                        done,
+                        axis,
+                        "samples_per_s",
+                        "measured",
+                        figure,
+                        titles,
+                        colour,
+                        "-",
+                        "o",
+                        lambda r: f"{r['trial']}: {fmt(r['samples_per_s'])} samples/s",
+                    )
+                    if bottom is not None:
+                        self._points(
+                            bottom,
+                            done,
+                            axis,
+                            "mfu",
+                            "mfu",
+                            figure,
+                            titles,
+                            colour,
+                            "-",
+                            "D",
+                            lambda r: f"{r['trial']}: MFU {_percent(float(r['mfu']))}",
+                        )
+            if memory and gpu and self.memory:
+                top.axhline(self.memory, color="black", linestyle=":", linewidth=1)
+            top.set_title(facet_title, fontsize=9)
+            for ax in (top, bottom):
+                if ax is not None:
+                    self._x_axis(ax, axis, plotted[axis])
+            if bottom is not None:
+                top.set_xlabel("")
+                top.tick_params(labelbottom=False)
+                if not memory:
+                    bottom.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
+        _from_zero([f[0] for f in facets])
+        _from_zero([f[1] for f in facets])
+        for top, bottom, *_ in facets:
+            if top.get_subplotspec().colspan.start == 0:
+                top.set_ylabel(
+                    ("peak CUDA allocated per rank (GiB)" if gpu else "peak resident set per worker (GiB)")
+                    if memory
+                    else "samples/s, all ranks"
+                )
+                if bottom is not None:
+                    bottom.set_ylabel("model states per rank (MiB)" if memory else "MFU")
+        legend_right(fig, self._legend(used, memory, gpu, oom_shown=len(oom) > 0))
+        figure.svg = self.svg(fig, figure, titles)
+        if memory and gpu:
+            figure.caption += (
+                f" Dotted: the device's {self.memory:.1f} GiB (from {self.memory_source})."
+                if self.memory
+                else " The device's memory is not recorded in this folder: no line for it."
+            )
+        return figure
+
+    def _failures(
+        self, ax, setting: pd.DataFrame, axis: str, figure: Figure, titles: dict, colour: str
+    ) -> None:
+        """× for each out-of-memory trial, at the memory it held when it failed (else at the device's)."""
+        for record in setting[setting["status"] == "oom"].to_dict("records"):
+            y = _number(record["peak_allocated_gib_max"]) or self.memory
+            if y is None:
+                continue
+            gid = f"{figure.id}--oom--{record['trial']}"
+            (line,) = ax.plot(
+                [self.shift(record[axis])],
+                [y],
+                "X",
+                color=colour,
+                markersize=9,
+                linestyle="none",
+                markeredgecolor="black",
+                markeredgewidth=0.6,
+                zorder=3,
+            )
+            line.set_gid(gid)
+            titles[gid] = f"{record['trial']}: out of memory at {_gib(y)}"
+
+    def _legend(self, used: list[str], memory: bool, gpu: bool, oom_shown: bool) -> list:
+        handles = [
+            Line2D([], [], color=_colour(self.colours[label]), linewidth=6, label=label)
+            for label in self.colours
+            if label in used
+        ]
+        if not memory:
+            return handles
+        if gpu:
+            handles += [
+                Line2D([], [], color="gray", marker="o", label="measured peak"),
+                Line2D(
+                    [],
+                    [],
+                    color="gray",
+                    marker="s",
+                    markerfacecolor="white",
+                    linestyle="--",
+                    label="predicted peak",
+                ),
+            ]
+        else:
+            handles += [
+                Line2D([], [], color="gray", marker="o", label="peak resident set (RSS), measured"),
+                Line2D([], [], color="gray", marker="^", label="model states, counted"),
+                Line2D(
+                    [],
+                    [],
+                    color="gray",
+                    marker="^",
+                    markerfacecolor="white",
+                    linestyle="--",
+                    label="model states, predicted",
+                ),
+            ]
+        if oom_shown:
+            handles.append(
+                Line2D(
+                    [],
+                    [],
+                    color="gray",
+                    marker="X",
+                    linestyle="none",
+                    markeredgecolor="black",
+                    label="out of memory (memory at failure)",
+                )
+            )
+        if gpu and self.memory:
+            handles.append(
+                Line2D([], [], color="black", linestyle=":", label=f"device memory {self.memory:.1f} GiB")
+            )
+        return handles
+
+    def _by_setting(self, rows: pd.DataFrame):
+        labels = rows.apply(setting_label, axis=1) if len(rows) else pd.Series(dtype=str)
+        for label in self.colours:
+            group = rows[labels == label]
+            if len(group):
+                yield label, group

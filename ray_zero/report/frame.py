@@ -1,0 +1,86 @@
+"""The results table as a frame and as text: rows in table order, markdown cells, the note that says what
+the memory columns are, and a recorded row finished with this version's derived columns. The lowest
+module of report/: the page, its figures and the tables all read it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import pandas as pd
+
+from ray_zero.config import DEFAULT_BUCKET_ELEMENTS
+from ray_zero.rows import COLUMNS, SORT_KEYS, aggregate_ranks, finish_row
+
+MARKDOWN_COLUMNS = [
+    "trial",
+    "precision",
+    "status",
+    "loss_last",
+    "samples_per_s",
+    "mfu",
+    "peak_allocated_gib_max",
+    "predicted_peak_gib",
+    "measured_over_predicted",
+    "measured_model_state_gib",
+    "predicted_model_state_gib",
+    "wall_s",
+]
+"""results.md: what a reader compares (12 columns); results.csv has them all."""
+
+
+def rows_frame(rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
+    frame = pd.DataFrame([{c: row.get(c) for c in COLUMNS} for row in rows], columns=COLUMNS)
+    if len(frame):
+        frame = frame.sort_values(SORT_KEYS, kind="stable").reset_index(drop=True)
+    return frame
+
+
+def _cell(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 10_000:
+        value = int(value)  # byte counts in a column that also holds blanks
+    if isinstance(value, float):
+        if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-3):
+            return f"{value:.3g}"
+        return f"{value:.4g}" if abs(value) < 100 else f"{value:.1f}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000:
+        return f"{value:,}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(frame: pd.DataFrame, columns: list[str] = MARKDOWN_COLUMNS) -> str:
+    columns = [c for c in columns if c in frame]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for _, record in frame[columns].iterrows():
+        lines.append("| " + " | ".join(_cell(record[c]) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def memory_note(frame: pd.DataFrame) -> str:
+    kinds = set(frame["memory_kind"].dropna()) if len(frame) else set()
+    if kinds == {"cpu_rss"}:
+        return (
+            "CPU rows: `peak_allocated_gib_max` is each worker process's peak resident set (Python, torch "
+            "and "
+            "Ray included), not comparable with GPU memory; the model states counted tensor by tensor "
+            "(`measured_model_state_gib`) stand beside what the memory model predicts for them."
+        )
+    if kinds == {"cuda"}:
+        return (
+            "GPU rows: peak CUDA memory allocated per rank (GiB), over the whole trial, engine set-up "
+            "included; max over ranks."
+        )
+    return "Memory columns: peak CUDA allocated on GPU rows, peak resident set on CPU rows."
+
+
+def finish_recorded(
+    row: dict[str, Any], experiment: dict[str, Any], calibration: dict | None
+) -> dict[str, Any]:
+    """A row as trials.jsonl recorded it, its derived columns (aggregates over ranks, prediction, ratios)
+    recomputed with this version of ray_zero."""
+    if row.get("per_rank"):
+        row.update(aggregate_ranks(row["per_rank"]))
+    row.setdefault("reduce_bucket_size", experiment.get("reduce_bucket_size", DEFAULT_BUCKET_ELEMENTS))
+    return finish_row(row, calibration)

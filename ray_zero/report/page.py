@@ -1,0 +1,85 @@
+"""report.html: one self-contained page of a sweep (or fit) folder, for people rather than scripts.
+
+    from ray_zero.report.page import write_html_report
+    write_html_report(Path("results/memory_scaling-h200x2"))   # -> results/memory_scaling-h200x2/report.html
+
+The page is templates/report.html.j2 filled in with the folder's data (data.py: what it reads) and
+its figures (figures.py, breakdown.py). `python -m ray_zero report DIR` writes it again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+from ray_zero.report.breakdown import PageFigures
+from ray_zero.report.data import REPORT_FILE, header, headline, read_sweep, table
+from ray_zero.report.frame import memory_note
+from ray_zero.rows import SORT_KEYS
+from ray_zero.store import atomic_write
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+def render_html(output_dir: Path) -> str:
+    """The page's HTML for one output folder (report_data's docstring says what it reads). The same folder
+    gives the same bytes: no build time or date of its own on the page, SVG ids salted per figure."""
+    sweep = read_sweep(Path(output_dir))
+    figures = PageFigures(sweep)
+    sections = []
+    kinds = [k for k in ("cuda", "cpu_rss") if (sweep.frame["memory_kind"].fillna("cuda") == k).any()]
+    for kind in kinds:
+        device = "GPU" if kind == "cuda" else "CPU"
+        for title, what in (("Memory", "memory"), ("Throughput", "speed")):
+            sections.append(
+                {
+                    "title": title,
+                    "device": device,
+                    "figures": [
+                        figures.against("num_workers", what, kind),
+                        figures.against("micro_batch_size", what, kind),
+                    ],
+                }
+            )
+    for section in sections:  # both figures of a section skipped for want of a second x: one sentence
+        workers, batch = section["figures"]
+        if workers.only and batch.only:
+            workers.skipped = (
+                f"Every {section['device']} trial ran {workers.only} and {batch.only}: no line to "
+                "draw against workers or micro-batch size; the table and the breakdown compare them."
+            )
+            workers.title = f"{section['title']} against workers and micro-batch size ({section['device']})"
+            section["figures"] = [workers]
+    sections.append({"title": "Where the memory went", "figures": figures.breakdown()})
+    fit_table, fit_figures = None, []
+    if sweep.fit is not None:
+        fit_figures = [figures.fit_maxima(), figures.fit_probes()]
+        fit_columns = [(c, c.replace("_", " "), c) for c in sweep.fit.columns]
+        fit_table = table(sweep.fit, fit_columns, keep_constant=[c for c, _, _ in fit_columns])
+    frame = sweep.frame.sort_values(SORT_KEYS, kind="stable") if len(sweep.frame) else sweep.frame
+    environment = Environment(
+        loader=FileSystemLoader(TEMPLATES),
+        autoescape=select_autoescape(["html", "j2"]),
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    page = environment.get_template("report.html.j2").render(
+        header=header(sweep),
+        headline=headline(sweep),
+        table=table(frame),
+        fit_table=fit_table,
+        fit_figures=fit_figures,
+        sections=sections,
+        memory_note=memory_note(sweep.frame).replace("`", ""),
+        trials=len(sweep.frame),
+    )
+    return page
+
+
+def write_html_report(output_dir: Path) -> Path:
+    """Write OUTPUT_DIR/report.html (atomically) from the folder's tables; return its path."""
+    output_dir = Path(output_dir)
+    path = output_dir / REPORT_FILE
+    atomic_write(path, render_html(output_dir))
+    return path

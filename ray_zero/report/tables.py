@@ -1,0 +1,131 @@
+"""A sweep's tables from its rows: results.csv, results.md, per_rank.csv, diagnostics.csv (with
+`--diagnostics`), the console's table, and `report DIR` to rebuild them all. Needs neither Ray nor a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from ray_zero.experiment_file import validate_experiment
+from ray_zero.measure.calibration import read_calibration, write_calibration
+from ray_zero.report.frame import finish_recorded, markdown_table, memory_note, rows_frame
+from ray_zero.report.page import write_html_report
+from ray_zero.report.plots import write_plots
+from ray_zero.rows import PER_RANK_COLUMNS, aggregate_ranks
+from ray_zero.store import atomic_write, load_trials, read_experiment_file
+
+CONSOLE_COLUMNS = {
+    "trial": "trial",
+    "status": "status",
+    "loss_last": "loss",
+    "samples_per_s": "samples/s",
+    "peak_allocated_gib_max": "peak GiB",
+    "predicted_peak_gib": "predicted",
+    "measured_model_state_gib": "states GiB",
+    "predicted_model_state_gib": "predicted states",
+    "wall_s": "wall s",
+}
+
+
+def prediction_notes(frame: pd.DataFrame) -> list[str]:
+    """What each prediction rests on (`prediction`), with its trials: where a formula was checked, and
+    which component it is known to miss."""
+    if "prediction" not in frame or not len(frame):
+        return []
+    rows = frame[frame["status"] == "ok"].dropna(subset=["prediction"])
+    groups = rows.groupby("prediction", sort=False)["trial"].apply(list)
+    if groups.empty:
+        return []
+    return (
+        ["Predictions:", ""] + [f"- {basis}: {', '.join(trials)}" for basis, trials in groups.items()] + [""]
+    )
+
+
+def render_markdown(frame: pd.DataFrame, provenance: dict[str, Any] | None) -> str:
+    title = (provenance or {}).get("experiment", "sweep")
+    parts = [f"# {title}: results", ""]
+    if provenance:
+        parts += [f"- {key}: {value}" for key, value in provenance.items() if key != "experiment"] + [""]
+    parts += [memory_note(frame), "", markdown_table(frame), ""]
+    parts += prediction_notes(frame)
+    failures = frame[frame["status"].isin(["oom", "failed", "skipped"])] if len(frame) else frame
+    if len(failures):
+        parts += (
+            ["Not ok:", ""] + [f"- {r.trial}: {r.status}: {r.error}" for r in failures.itertuples()] + [""]
+        )
+    return "\n".join(parts)
+
+
+def write_results(
+    output_dir: Path, rows: list[dict[str, Any]], provenance: dict[str, Any] | None
+) -> pd.DataFrame:
+    """(Re)write results.csv, results.md, per_rank.csv and diagnostics.csv atomically; return the table."""
+    frame = rows_frame(rows)
+    atomic_write(output_dir / "results.csv", frame.to_csv(index=False))
+    atomic_write(output_dir / "results.md", render_markdown(frame, provenance))
+    per_rank = [r for row in rows for r in row.get("per_rank") or []]
+    if per_rank:
+        table = pd.DataFrame(per_rank)
+        table = table[[c for c in PER_RANK_COLUMNS if c in table]]
+        atomic_write(output_dir / "per_rank.csv", table.to_csv(index=False))
+    diagnostics = [r for row in rows for r in row.get("diagnostics") or []]
+    if diagnostics:
+        atomic_write(output_dir / "diagnostics.csv", pd.DataFrame(diagnostics).to_csv(index=False))
+    return frame
+
+
+def rerender(output_dir: Path) -> pd.DataFrame:
+    """`python -m ray_zero report DIR`: the tables, plots and report page again, without Ray.
+
+    From trials.jsonl (the measurements as recorded), recomputing the derived columns (aggregates,
+    prediction, ratios) with this version of ray_zero."""
+    rows = load_trials(output_dir)
+    if not rows:
+        raise FileNotFoundError(f"{output_dir}: no trials.jsonl here (give the --output folder of a sweep)")
+    saved = read_experiment_file(output_dir)
+    experiment = saved.get("experiment") or {}
+    calibration = _recalibrate(output_dir, rows, experiment) or read_calibration(output_dir)
+    rows = [finish_recorded(row, experiment, calibration) for row in rows]
+    frame = write_results(output_dir, rows, saved.get("provenance"))
+    write_pages(output_dir, frame)
+    return frame
+
+
+def _recalibrate(output_dir: Path, rows: list[dict], experiment: dict) -> dict | None:
+    """calibration.json again from the calibration trials' rows, with this version's arithmetic."""
+    measured = [row for row in rows if str(row.get("trial", "")).endswith("_calibration")]
+    if not measured:
+        return None
+    for row in measured:
+        row.update(aggregate_ranks(row.get("per_rank") or []))
+    return write_calibration(
+        output_dir,
+        validate_experiment(experiment, source=str(output_dir)),
+        measured,
+        measured[0].get("memory_kind") == "cuda",
+        measured[0].get("precision"),
+    )
+
+
+def write_pages(output_dir: Path, frame: pd.DataFrame) -> None:
+    """The plots and the report page of a results table (the page reads the tables just written)."""
+    write_plots(frame, output_dir)
+    write_html_report(output_dir)
+
+
+def console_table(frame: pd.DataFrame, width: int = 120) -> str:
+    """The final table, within `width` characters: on CPU the model-state columns replace the peak's
+    prediction (an RSS beside a GPU prediction would tell nothing)."""
+    cpu = set(frame["memory_kind"].dropna()) == {"cpu_rss"} if len(frame) else False
+    names = dict(CONSOLE_COLUMNS)
+    if cpu:
+        names.pop("predicted_peak_gib")
+        names["peak_allocated_gib_max"] = "peak RSS GiB"
+    else:
+        names.pop("predicted_model_state_gib")
+    shown = frame[list(names)].rename(columns=names)
+    text = shown.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-")
+    return "\n".join(line[:width] for line in text.splitlines())

@@ -1,0 +1,228 @@
+"""One search of `fit` = one `TorchTrainer` run (more only when a run ends early), driven from a thread
+of fit's own process.
+
+`search_loop` runs on every worker: `ray_zero.train.probing.run_search` probes micro-batch after micro-batch,
+each probe a `ray.train.report`. `drive_search` is its driver: it starts the run, turns each probe's
+all-rank report (the trial log, ray_zero/trial.py) into a results row (the row a sweep's trial makes) as
+it arrives, and hands it to `record`. No Tune: a search is one long run whose rows come while it trains,
+and fit's process already holds what a Tune trial's process would import again. A run can end before
+its search does: a rank out of memory with several workers, an out-of-memory probe that left memory in
+use, a worker that died. The driver then knows which probe was in flight (the search is deterministic:
+it replays the recorded rows), records it, and goes on in a fresh run (out of memory), tries it again in
+one (a died worker, up to `runtime.max_failures` times), or ends the search (any other failure). Public
+Ray API only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import ray
+from ray.train import TrainingFailedError
+
+from ray_zero.measure import calibration
+from ray_zero.measure.memory_model import GIB
+from ray_zero.rows import aggregate_ranks, trial_row
+from ray_zero.run.trial import failure_fields, torch_trainer, train_environment
+from ray_zero.train.probing import RecordedProbe, SearchSpec, calibration_probes
+
+POLL_S = 0.5
+"""How often the driver looks for new probe reports while its run trains."""
+
+
+def search_name(search: SearchSpec) -> str:
+    """The search's point without its micro-batch: stage1_w1, fsdp_stage3_w2_ac."""
+    point = search.spec.point
+    return point.name.replace(f"_mb{point.micro_batch_size}", "")
+
+
+def search_loop(config: dict[str, Any]) -> None:
+    """Ray Train entry point on every worker: this rank's part of the search, one report per probe."""
+    import ray.train
+    import ray.train.torch
+    import torch
+
+    from ray_zero.train.probing import run_search
+
+    search: SearchSpec = config["search"]
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    attempt = ray.get(config["log"].started.remote(config["log_key"], rank))
+    device = ray.train.torch.get_device() if search.spec.use_gpu else torch.device("cpu")
+    node = ray.get_runtime_context().get_node_id()
+
+    def report(result: dict[str, Any]) -> None:
+        ray.train.report({**result, "node_id": node, "pid": os.getpid(), "run": config["run"]})
+
+    run_search(search, rank, world_size, device, report, attempt=attempt)
+
+
+def recorded(row: dict[str, Any]) -> RecordedProbe:
+    """A probe row as the search records it: the largest peak over ranks, activations per sample."""
+    micro = row["micro_batch_size"]
+    rise = row.get("micro_batch_rise_bytes_per_rank_max") or row.get("saved_for_backward_bytes_per_rank_max")
+    return RecordedProbe(
+        micro,
+        row["status"],
+        row.get("peak_allocated_gib_max"),
+        rise / GIB / micro if rise and micro else None,
+        row.get("error") or "",
+    )
+
+
+def is_probe(row: dict[str, Any]) -> bool:
+    return not row["trial"].endswith(("_timed", "_calibration"))
+
+
+class SearchState:
+    """The driver's view of one search: its rows so far, and what a fresh run needs to go on."""
+
+    def __init__(self, search: SearchSpec):
+        self.search = search
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+
+    def for_next_run(self) -> SearchSpec:
+        """The search with what its rows measured: probes done, calibration once all its probes have rows."""
+        search = dataclasses.replace(
+            self.search, done=self.search.done + tuple(recorded(r) for r in self.rows if is_probe(r))
+        )
+        if search.needs_calibration():
+            calibrating = [r for r in self.rows if r["trial"].endswith("_calibration")]
+            if {r["micro_batch_size"] for r in calibrating} >= {
+                s.point.micro_batch_size for s in calibration_probes(search)
+            }:
+                search = dataclasses.replace(
+                    search, calibration=calibration.per_sample_bytes(calibrating, search.spec.use_gpu)
+                )
+        return search
+
+    def in_flight(self) -> Optional[tuple[int, str]]:
+        """(micro-batch, label) of the next probe the search would run: the one a run that ended early
+        was on. None: the search is done."""
+        search = self.for_next_run()
+        if search.needs_calibration():
+            done = {r["micro_batch_size"] for r in self.rows if r["trial"].endswith("_calibration")}
+            return next(
+                (s.point.micro_batch_size, "calibration")
+                for s in calibration_probes(search)
+                if s.point.micro_batch_size not in done
+            )
+        found = search.search()
+        micro = found.next_probe()
+        if micro is not None:
+            return micro, ""
+        if (
+            found.answer is not None
+            and search.timed is not None
+            and not any(r["trial"].endswith("_timed") for r in self.rows)
+        ):
+            return found.answer, "timed"
+        return None
+
+
+def _spec(search: SearchSpec, micro: int, label: str):
+    return search.at(micro, search.timed if label == "timed" else None, label)
+
+
+def _row(search: SearchSpec, ranks: list[dict[str, Any]], started_at: float) -> dict[str, Any]:
+    """A probe's results row from all ranks' reports of it."""
+    first = ranks[0]
+    spec = _spec(search, first["micro_batch_size"], first.get("label") or "")
+    row = trial_row(spec)
+    row.update(aggregate_ranks(ranks))
+    oom = [r for r in ranks if r.get("probe_status") == "oom"]
+    # wall_s: the probe's own time in its run (model, data, engine, steps), the slowest rank's
+    row.update(
+        status="oom" if oom else "ok",
+        attempts=1,
+        run=first.get("run"),
+        search_started_at=started_at,
+        wall_s=max(
+            sum(
+                r.get(k) or 0.0
+                for k in ("model_build_s", "data_load_s", "initialize_s", "warmup_s", "timed_s")
+            )
+            for r in ranks
+        ),
+        first_guess=first.get("first_guess"),
+    )
+    if oom:
+        row["error"] = oom[0].get("error")
+    row["per_rank"] = [
+        {"trial": spec.name, **{k: v for k, v in r.items() if k not in ("diagnostics", "error")}}
+        for r in ranks
+    ]
+    return row
+
+
+def drive_search(search: SearchSpec, key: str, log, record: Callable[[dict[str, Any]], None]) -> None:
+    """Run one search to its end, in as few TorchTrainer runs as it takes; `record(row)` gets each probe's
+    row as it comes. `key` names the search's runs (unique within the trial log `log`)."""
+    train_environment(search.spec)
+    state = SearchState(search)
+    started_at = time.time()
+    retries = 0
+    for runs in range(1, 10**6):
+        run = f"{key}-run{runs}"
+        current = state.for_next_run()
+        trainer = torch_trainer(
+            search_loop,
+            {"search": current, "log": log, "log_key": key, "run": run},
+            current.spec,
+            run,
+            log,
+            key,
+            max_failures=0,
+        )
+        outcome: dict[str, Any] = {}
+
+        def fit() -> None:
+            try:
+                trainer.fit()
+            except TrainingFailedError as error:
+                outcome["error"] = error
+
+        # fit() returns only when the run ends: the rows of its probes are recorded while it trains.
+        thread = threading.Thread(target=fit, name=f"ray_zero {run}", daemon=True)
+        thread.start()
+        reported = 0
+        while thread.is_alive():
+            thread.join(POLL_S)
+            reported += _take_rows(log, key, current, state, started_at, record)
+        reported += _take_rows(log, key, current, state, started_at, record)
+        flying = state.in_flight()
+        if flying is None:
+            return
+        error = outcome.get("error")
+        if error is None:
+            if reported:
+                continue  # an out-of-memory probe left memory in use: a fresh run goes on
+            fields = {"status": "failed", "error": "the run ended without a probe's report"}
+        else:
+            fields = failure_fields(error)
+            if fields["status"] != "oom" and retries < search.spec.experiment.runtime.max_failures:
+                retries += 1  # a worker that died: the same probe again, in a fresh run
+                continue
+        micro, label = flying
+        row = trial_row(_spec(current, micro, label))
+        row.update(fields, attempts=1, run=run, search_started_at=started_at, wall_s=None)
+        state.add(row)
+        record(row)
+        if fields["status"] != "oom":
+            return  # any other failure ends the search
+
+
+def _take_rows(log, key: str, search: SearchSpec, state: SearchState, started_at: float, record) -> int:
+    reports = ray.get(log.take_reports.remote(key))
+    for ranks in reports:
+        row = _row(search, ranks, started_at)
+        state.add(row)
+        record(row)
+    return len(reports)

@@ -1,0 +1,316 @@
+"""fit's search on the ranks of one run: every probe a fresh engine, torn down before the next.
+
+`run_search` runs one search (ray_zero/fit_search.py) to its end on this rank: for each micro-batch the
+search asks for it trains the probe's few steps exactly as a trial's rank does (`ray_zero.train.worker.train`,
+which resets the peak), hands the rank's measurements to `on_probe`, and tears the engine down (its
+tensors freed, cycles collected, the CUDA cache emptied, or on CPU the freed heap handed back to the
+system: glibc keeps it otherwise, and the next probe's resident set would start from this one's). All
+ranks take the same decisions: each probe's figures are all-gathered, and the search records the largest
+peak over ranks. Optionally the search's own calibration probes come first (their activations per sample
+give the first guess on GPU), and the answer's timed run last. No Ray here: the caller reports each
+probe (ray_zero/search_trial.py).
+
+Out of memory inside the run: with one rank the probe's result says `oom`, the rank frees what it held
+and goes on if the memory in use is back within `LEAK_TOLERANCE_BYTES` of what it was before the probe;
+else `run_search` returns early (`"leak"`) and the caller goes on in a fresh run. With several ranks an
+out-of-memory rank ends the run (its peers may be waiting in a collective), as does any other error.
+
+Measured on the 2-core CPU (bench/README.md): the trimmed heap goes back to within 1 MiB of its level
+before each probe, but a probe after others reads up to 0.16 GiB more resident set than a fresh run
+(glibc's mmap threshold only rises: later probes take more from the heap). GPU: the caching allocator's
+peak, which a previous probe does not touch once its blocks are freed and the cache emptied.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import gc
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ray_zero.config import Experiment, TrialSpec
+from ray_zero.measure import calibration
+from ray_zero.measure.memory_model import GIB, predict_point
+from ray_zero.measure.search import BracketSearch, Steps, largest_predicted_to_fit
+from ray_zero.models.describe import build_model_spec
+from ray_zero.models.spec import ModelSpec, copied
+from ray_zero.rows import trial_row
+from ray_zero.train.worker import TrialOutOfMemory, train
+
+LEAK_TOLERANCE_BYTES = 256 * 1024**2
+"""How far above its pre-probe level the memory in use (GPU: allocated; CPU: resident set, after the heap
+is trimmed) may stay once an out-of-memory probe is torn down, for the run to go on. GPU: cuBLAS keeps its
+64 MiB of workspaces once made. CPU, measured here: a run's first probe leaves about 80 MiB (first-use
+allocations; the imports and the model come before it), later ones under 1 MiB."""
+
+
+@dataclass(frozen=True)
+class RecordedProbe:
+    """A probe the search has already measured (in an earlier run of the same search)."""
+
+    micro_batch_size: int
+    status: str
+    peak_gib: Optional[float]
+    per_sample_gib: Optional[float] = None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    """One search of `fit`, as its ranks get it."""
+
+    spec: TrialSpec
+    """The search's point (its micro_batch_size a placeholder) with the probes' short experiment."""
+    budget_gib: float
+    steps: Steps
+    timed: Optional[Experiment] = None
+    """The experiment to time the answer with (None: the probes' own rates serve)."""
+    calibrate: bool = False
+    """Run the search's own calibration probes first (their activations per sample give the first guess)."""
+    done: tuple[RecordedProbe, ...] = ()
+    """Probes of an earlier run of this search, in order."""
+    calibration: Optional[dict] = None
+    """An earlier run's calibration figures (`calibration.per_sample_bytes`; {}: measured, nothing found),
+    so that they are not measured again; None: not measured yet."""
+
+    def at(
+        self, micro_batch_size: int, experiment: Optional[Experiment] = None, label: str = ""
+    ) -> TrialSpec:
+        point = self.spec.point.replace(micro_batch_size=micro_batch_size)
+        return dataclasses.replace(
+            self.spec, point=point, experiment=experiment or self.spec.experiment, label=label
+        )
+
+    def search(self) -> BracketSearch:
+        """The search with the probes already done and its first guess."""
+        found = BracketSearch(self.budget_gib, self.steps, self.first_guess())
+        for probe in self.done:
+            found.record(
+                probe.micro_batch_size, probe.status, probe.peak_gib, probe.per_sample_gib, probe.error
+            )
+        return found
+
+    def needs_calibration(self) -> bool:
+        return self.calibrate and self.calibration is None
+
+    def first_guess(self) -> Optional[int]:
+        """Where the memory model puts the answer (GPU, where it predicts activations: the presets' shapes,
+        or this search's calibration); None: the search starts at the smallest size."""
+        if not self.spec.use_gpu:
+            return None
+        calibrated = {"bytes_per_sample": self.calibration} if self.calibration else None
+
+        def predicted(micro: int) -> Optional[float]:
+            peak = predict_point(trial_row(self.at(micro)), calibrated).peak_bytes
+            return None if peak is None else peak / GIB
+
+        return largest_predicted_to_fit(predicted, self.budget_gib, self.steps)
+
+
+def calibration_probes(search: SearchSpec) -> list[TrialSpec]:
+    """The search's calibration probes at its own point: the sizes and length a sweep's calibration
+    takes (ray_zero/calibration.py, which reads their rows with `per_sample_bytes`)."""
+    spec = search.spec
+    length = calibration.probe_experiment(spec.experiment)
+    return [
+        search.at(size, length, label="calibration")
+        for size in calibration.calibration_sizes(spec.model, spec.precision)
+    ]
+
+
+def release(device: torch.device) -> None:
+    """Give back what a torn-down probe held: collect its cycles (DeepSpeed's hooks and the engine refer
+    to each other), empty the CUDA cache, or on CPU hand the heap's free pages back to the system."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the resident set keeps what the allocator keeps
+        pass
+
+
+def memory_in_use(device: torch.device) -> int:
+    """Bytes this rank holds now: allocated on the GPU, or the process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096  # resident pages
+
+
+class _Model:
+    """The search's model, built once, before the first probe (its imports then count in no probe's
+    leftovers). On a GPU a pristine copy stays on the host and each probe trains a copy of it. On CPU,
+    where the resident set is what is measured, a kept copy would count in every probe's peak (a fresh
+    run holds one model, not two): the first probe trains the model built here, and each later one
+    builds it again, as a trial's rank does (seeded: the same weights)."""
+
+    def __init__(self, experiment: Experiment, keep: bool):
+        torch.manual_seed(experiment.seed)  # as worker.train seeds before it builds
+        e = experiment
+        self.built: Optional[ModelSpec] = build_model_spec(
+            e.model, e.model_options, e.seq_len, e.input_shape, e.num_classes
+        )
+        self.keep = keep
+
+    def for_probe(self) -> Optional[ModelSpec]:
+        """A model for the next probe, or None: the rank builds it as a trial's rank does."""
+        if self.built is None:
+            return None
+        if not self.keep:
+            model, self.built = self.built, None
+            return model
+        try:
+            return copied(self.built)
+        except Exception:  # something in the model cannot be copied: build it afresh, as a trial does
+            self.built = None
+            return None
+
+
+class Prober:
+    """This rank's probes, one after another in one process: each trains in a fresh engine (and model) and
+    is torn down before the next."""
+
+    def __init__(
+        self,
+        experiment: Experiment,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        attempt: int = 1,
+        keep_model: Optional[bool] = None,
+    ):
+        """keep_model: build the model once and train a copy of it in each probe (default: on a GPU)."""
+        self.rank, self.world_size, self.device, self.attempt = rank, world_size, device, attempt
+        import ray_zero.train.engines  # noqa: F401  DeepSpeed's and the engines' imports: no probe's leftovers
+
+        self.model = _Model(experiment, device.type == "cuda" if keep_model is None else keep_model)
+        self.first_guess: Optional[int] = None
+        """Written into every probe's result (where the search started)."""
+
+    def probe(self, spec: TrialSpec) -> dict[str, Any]:
+        """This rank's measurements of one probe: a trial rank's result dict, with `probe_status` (ok, or
+        oom with one rank), `micro_batch_size`, `label`, `trial`, `first_guess` and `left_bytes` (memory
+        in use after the teardown above what it was before the probe). Raises what the probe raised, an
+        out-of-memory error too with several ranks."""
+        release(self.device)
+        before = memory_in_use(self.device)
+        try:
+            result = train(
+                spec,
+                self.rank,
+                self.world_size,
+                self.device,
+                attempt=self.attempt,
+                model=self.model.for_probe(),
+            )
+            result["probe_status"] = "ok"
+        except TrialOutOfMemory as error:
+            if self.world_size > 1:
+                raise  # a peer may be waiting in a collective: the run ends here
+            result = {"probe_status": "oom", "error": str(error), **error.memory}
+            error.__context__ = error.__traceback__ = None  # the failed step's frames hold its tensors
+            del error
+        release(self.device)
+        result.update(
+            micro_batch_size=spec.point.micro_batch_size,
+            label=spec.label,
+            trial=spec.name,
+            first_guess=self.first_guess,
+            left_bytes=memory_in_use(self.device) - before,
+        )
+        return result
+
+
+class _Leaked(Exception):
+    """An out-of-memory probe left memory in use: this run's search stops here."""
+
+
+def run_search(
+    search: SearchSpec,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    on_probe: Callable[[dict[str, Any]], None],
+    attempt: int = 1,
+) -> str:
+    """Run `search` on this rank: calibration probes (if asked), the probes, the timed run. `on_probe(result)`
+    gets each probe's measurements of this rank (`Prober.probe`); every rank calls it as often. Returns
+    "done", or "leak": an out-of-memory probe left memory in use, and the search goes on in a fresh run."""
+    prober = Prober(search.spec.experiment, rank, world_size, device, attempt)
+
+    def probe(spec: TrialSpec) -> list[dict[str, Any]]:
+        result = prober.probe(spec)
+        on_probe(result)  # first: the out-of-memory probe's row is kept
+        ranks = _all_ranks(result, world_size)
+        if any(r["probe_status"] == "oom" and r["left_bytes"] > LEAK_TOLERANCE_BYTES for r in ranks):
+            raise _Leaked
+        return ranks
+
+    try:
+        if search.needs_calibration():
+            rows = [_row_like(probe(spec), spec) for spec in calibration_probes(search)]
+            search = dataclasses.replace(
+                search, calibration=calibration.per_sample_bytes(rows, device.type == "cuda")
+            )
+        found = search.search()
+        prober.first_guess = found.first_guess
+        while (micro := found.next_probe()) is not None:
+            ranks = probe(search.at(micro))
+            status = "oom" if any(r["probe_status"] == "oom" for r in ranks) else "ok"
+            rises = [r.get("micro_batch_rise_bytes") or r.get("saved_for_backward_bytes") for r in ranks]
+            rise = max((x for x in rises if x), default=None)
+            found.record(
+                micro,
+                status,
+                max(r["peak_allocated_gib"] for r in ranks) if status == "ok" else None,
+                rise / GIB / micro if rise else None,
+            )
+        if found.answer is not None and search.timed is not None:
+            probe(search.at(found.answer, search.timed, label="timed"))
+    except _Leaked:
+        return "leak"
+    return "done"
+
+
+def _all_ranks(result: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
+    """Every rank's figures of this probe, in rank order (what the search decides on)."""
+    mine = {
+        k: result.get(k)
+        for k in (
+            "probe_status",
+            "peak_allocated_gib",
+            "micro_batch_rise_bytes",
+            "saved_for_backward_bytes",
+            "left_bytes",
+        )
+    }
+    if world_size == 1:
+        return [mine]
+    gathered: list = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def _row_like(ranks: list[dict[str, Any]], spec: TrialSpec) -> dict[str, Any]:
+    """A calibration probe's figures as calibration.per_sample_bytes reads them from rows."""
+
+    def largest(key: str) -> Optional[float]:
+        values = [r.get(key) for r in ranks if r.get(key) is not None]
+        return max(values) if values else None
+
+    return {
+        "status": "ok" if all(r["probe_status"] == "ok" for r in ranks) else "oom",
+        "backend": spec.point.backend,
+        "activation_checkpointing": spec.point.activation_checkpointing,
+        "micro_batch_size": spec.point.micro_batch_size,
+        "micro_batch_rise_bytes_per_rank_max": largest("micro_batch_rise_bytes"),
+        "saved_for_backward_bytes_per_rank_max": largest("saved_for_backward_bytes"),
+    }

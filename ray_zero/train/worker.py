@@ -1,0 +1,306 @@
+"""One rank's training: build the model and its data, set up the engine, train, measure.
+
+`train()` needs only torch.distributed to be set up (by Ray Train, or by torchrun in bench/), so the
+bare-DeepSpeed baseline runs the very same code; Ray Train's entry point is `ray_zero.run.trial.train_loop`.
+What the rank measures is in a `Meter` beside the loop (ray_zero/meter.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from ray_zero.config import TrialSpec
+from ray_zero.measure.meter import Meter, SavedForBackward, peak_tflops
+from ray_zero.models.describe import build_model_spec
+from ray_zero.models.spec import ModelSpec, batch_bytes, cast_floating
+from ray_zero.train.data import mnist_shard, synthetic_batches
+from ray_zero.train.engines import build_engine
+from ray_zero.train.settings import EngineSettings
+
+ProgressFn = Callable[[int, dict[str, float]], None]
+# Live figures go to the caller at most this often: Ray exports gauges every 10 s, and each update costs
+# a host-bound step time.
+PUBLISH_INTERVAL_S = 1.0
+SYNTHETIC_BATCHES = 4
+"""Synthetic micro-batches each rank makes once and serves in turn."""
+
+
+class TrialOutOfMemory(RuntimeError):
+    """A rank ran out of device memory; carries what the memory looked like at that moment."""
+
+    def __init__(self, message: str, memory: dict[str, Any]):
+        super().__init__(message, memory)
+        self.memory = memory
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def jit_ops_dir() -> str:
+    """This Python environment's own folder for DeepSpeed's JIT-built ops (unless the user sets one).
+
+    torch keys its default build folder by op name, Python version and CUDA only, while the build files
+    name the venv's include paths: two venvs on one machine rebuild the op in turn (19-43 s on 2 CPU
+    cores each time)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    environment = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:12]
+    return os.path.join(
+        get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}-env-{environment}"
+    )
+
+
+def _inject_fault(spec: TrialSpec, rank: int, step: int, attempt: int) -> None:
+    fault = next((f for f in spec.experiment.fault if f.fires(spec.point, rank, step, attempt)), None)
+    if fault is None:
+        return
+    where = f"rank {rank}, step {step}, attempt {attempt}"
+    if fault.kind == "oom":
+        raise torch.cuda.OutOfMemoryError(
+            f"CUDA out of memory (injected by ray_zero's fault option at {where})"
+        )
+    if fault.kind == "error":
+        raise RuntimeError(f"injected error (ray_zero's fault option at {where})")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(
+    spec: TrialSpec,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    attempt: int = 1,
+    on_progress: Optional[ProgressFn] = None,
+    diagnostics=None,
+    model: Optional[ModelSpec] = None,
+) -> dict[str, Any]:
+    """Train one rank of one trial and return this rank's measurements (a flat dict). `model`: the model
+    to train, already built (fit's probes reuse one); by default the rank builds the experiment's."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_ops_dir())
+    if device.type == "cpu":
+        # `import deepspeed` sets PYTORCH_NVML_BASED_CUDA_CHECK=1; without a GPU torch's optimizers then
+        # load NVML at every step (1-3 % of a host-bound step).
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "0"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    meter = Meter(device)
+    run = _Run(spec, rank, world_size, device, attempt, meter, on_progress, diagnostics, model)
+    try:
+        return run.train()
+    except torch.cuda.OutOfMemoryError as error:
+        memory = {"rank": rank, "phase": run.phase, **meter.at_failure()}
+        first_line = str(error).strip().splitlines()[0][:300]
+        raise TrialOutOfMemory(
+            f"rank {rank} out of memory during {run.phase}: peak allocated "
+            f"{memory['peak_allocated_gib']:.2f} GiB, "
+            f"reserved {memory['peak_reserved_gib']:.2f} GiB ({first_line})",
+            memory,
+        ) from None
+
+
+class _Run:
+    """One rank's trial: set-up, then the training loop; `phase` says where it is (for an OOM message)."""
+
+    def __init__(self, spec, rank, world_size, device, attempt, meter, on_progress, diagnostics, model=None):
+        self.spec, self.rank, self.world_size, self.device = spec, rank, world_size, device
+        self.model = model
+        self.attempt, self.meter, self.on_progress, self.diagnostics = (
+            attempt,
+            meter,
+            on_progress,
+            diagnostics,
+        )
+        self.phase = "start"
+        self.timings: dict[str, float] = {}
+        self._since = time.perf_counter()
+
+    def _done(self, phase: str, memory_phase: Optional[str] = None) -> None:
+        """Close a set-up phase: its duration, the memory after it, its diagnostics mark."""
+        now = time.perf_counter()
+        self.timings[f"{phase}_s"] = now - self._since
+        self._since = now
+        if memory_phase:
+            self.meter.after(memory_phase)
+        if self.diagnostics:
+            self.diagnostics.mark(phase)
+
+    def train(self) -> dict[str, Any]:
+        spec, experiment, point = self.spec, self.spec.experiment, self.spec.point
+        micro, accum = point.micro_batch_size, experiment.gradient_accumulation_steps
+        torch.manual_seed(experiment.seed)  # the same initial weights on every rank
+
+        self.phase = "model build"
+        model, self.model = self.model, None  # the run keeps no reference: a torn-down probe frees it all
+        if model is None:
+            model = build_model_spec(
+                experiment.model,
+                experiment.model_options,
+                experiment.seq_len,
+                experiment.input_shape,
+                experiment.num_classes,
+            )
+        model.module.to(self.device)
+        self._done("model_build", "model")
+
+        self.phase = "data load"
+        data_seed = experiment.seed + self.rank
+        if experiment.resolved_dataset() == "mnist":
+            shard = mnist_shard(experiment.data_dir, self.rank, self.world_size, self.device)
+            batches, data_source = shard.micro_batches(micro, seed=data_seed), shard.source
+            data_bytes, steps_per_epoch = (
+                shard.images.nbytes + shard.labels.nbytes,
+                shard.batches_per_epoch(micro) // accum,
+            )
+            if steps_per_epoch < 1:
+                raise ValueError(
+                    f"micro_batch_size {micro} x gradient_accumulation_steps {accum} is more than "
+                    f"this rank's {len(shard.labels)} samples ({shard.source})"
+                )
+        else:
+            pool = synthetic_batches(model.make_batch, micro, SYNTHETIC_BATCHES, data_seed, self.device)
+            batches = (pool[i % len(pool)] for i in range(10**12))
+            data_source, data_bytes, steps_per_epoch = (
+                f"synthetic ({len(pool)} batches of {micro})",
+                sum(map(batch_bytes, pool)),
+                None,
+            )
+        total_steps = experiment.steps or experiment.epochs * steps_per_epoch
+        warmup = experiment.warmup_steps
+        if warmup >= total_steps:
+            raise ValueError(
+                f"warmup_steps ({warmup}) must be less than the {total_steps} steps this trial trains"
+            )
+        self._done("data_load", "data")
+
+        self.phase = "engine set-up"
+        engine = build_engine(model, EngineSettings.for_trial(spec, self.world_size), self.device)
+        self._done("initialize", "initialize")
+        try:
+            return self._train(
+                engine, model, batches, total_steps, warmup, steps_per_epoch, data_bytes, data_source
+            )
+        finally:
+            engine.close()
+
+    def _train(self, engine, model, batches, total_steps, warmup, steps_per_epoch, data_bytes, data_source):
+        """The training loop of an engine that is set up; the rank's result."""
+        experiment, point = self.spec.experiment, self.spec.point
+        micro, accum = point.micro_batch_size, experiment.gradient_accumulation_steps
+        spec = self.spec
+
+        saved = SavedForBackward()
+        measured_step = max(warmup - 1, 0)  # one micro-batch measured alone, before the timed steps
+        losses_by_epoch, epoch_loss = [], torch.zeros((), device=self.device)
+        loss_first = loss_last = float("nan")
+        samples_per_step = micro * accum
+        published_at = float("-inf")
+        states: dict[str, int] = {}
+        for step in range(total_steps):
+            self.phase = f"step {step}"
+            if step == warmup:
+                self._done("warmup")
+                self.meter.start_timing(step)
+                if self.diagnostics:
+                    self.diagnostics.start_timed()
+            _inject_fault(spec, self.rank, step, self.attempt)
+            step_loss = torch.zeros((), device=self.device)
+            for micro_step in range(accum):
+                batch = cast_floating(next(batches), engine.input_dtype)
+                boundary = micro_step == accum - 1
+                if step == measured_step and micro_step == 0:
+                    with self.meter.one_micro_batch():
+                        loss = engine.forward_backward(batch, boundary, forward_context=saved)
+                else:
+                    loss = engine.forward_backward(batch, boundary)
+                if step == 0 and micro_step == 0:
+                    self.meter.after("first_backward")
+                step_loss += loss.float() / accum
+            engine.step()
+            epoch_loss += step_loss
+            if step == 0:
+                self.meter.after("first_step")
+                loss_first = step_loss.item()
+            if step in (0, total_steps - 1):
+                # After the first step and the last: a skipped step (fp16's loss scale overflowing at the
+                # start) creates no optimizer states, and they appear at a later step.
+                states = {k: max(v, states.get(k, 0)) for k, v in engine.model_state_bytes().items()}
+            if steps_per_epoch and experiment.epochs is not None and (step + 1) % steps_per_epoch == 0:
+                losses_by_epoch.append(round(epoch_loss.item() / steps_per_epoch, 5))
+                epoch_loss.zero_()
+            if step == total_steps - 1:
+                loss_last = step_loss.item()
+            elif (step + 1) % experiment.runtime.live_metrics_every == 0 and step >= warmup:
+                loss_value = step_loss.item()  # waits for the device: that makes the window's rate honest
+                rate = self.meter.end_window(step + 1, samples_per_step)
+                now = time.perf_counter()
+                if self.on_progress is not None and now - published_at >= PUBLISH_INTERVAL_S:
+                    published_at = now
+                    self.on_progress(
+                        step + 1,
+                        {
+                            "loss": loss_value,
+                            "samples_per_s": rate,
+                            "peak_allocated_gib": self.meter.peak_so_far_gib(),
+                        },
+                    )
+        timed_steps = total_steps - warmup
+        self.meter.stop_timing(timed_steps, samples_per_step)
+        if self.diagnostics:
+            self.diagnostics.stop_timed()
+        self.phase = "finish"
+        return self._result(
+            engine,
+            model,
+            states,
+            total_steps,
+            loss_first,
+            loss_last,
+            losses_by_epoch,
+            data_bytes,
+            data_source,
+            saved.bytes,
+        )
+
+    def _result(
+        self,
+        engine,
+        model,
+        states,
+        total_steps,
+        loss_first,
+        loss_last,
+        losses_by_epoch,
+        data_bytes,
+        data_source,
+        saved_bytes,
+    ) -> dict[str, Any]:
+        figures = self.meter.result()
+        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        # Model FLOPs (counted once, without recomputation): MFU does not credit activation checkpointing.
+        tflops = figures["samples_per_s"] * self.spec.model.flops_per_sample / 1e12
+        peak = peak_tflops(device_name, self.spec.precision) if self.device.type == "cuda" else None
+        return {
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "device_name": device_name,
+            "steps": total_steps,
+            "loss_first": loss_first,
+            "loss_last": loss_last,
+            "loss_by_epoch": losses_by_epoch,
+            "tflops": tflops,
+            "mfu": tflops / peak if peak else None,
+            "data_bytes": data_bytes,
+            "data_source": data_source,
+            "saved_for_backward_bytes": saved_bytes,  # one micro-batch's activations, counted by autograd
+            "engine_config": engine.config,  # what the engine was built with (DeepSpeed: its config, key for key)  # noqa: E501
+            **figures,
+            **states,
+            **self.timings,
+        }
