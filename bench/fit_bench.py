@@ -137,8 +137,9 @@ def midway_budgets(peaks: pd.DataFrame, sizes: list[int]) -> list[tuple[int, flo
 
 def against_exhaustive(args, experiment_path: Path) -> pd.DataFrame:
     from ray_zero.experiment_file import load_experiment
+    from ray_zero.measure.search import FitSettings
     from ray_zero.models.describe import describe_model
-    from ray_zero.run.fit import FitSettings, run_fit
+    from ray_zero.run.fit import run_fit
     from ray_zero.run.sweep import run_sweep
 
     sizes = sorted(int(s) for s in args.sizes.split(","))

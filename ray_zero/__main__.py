@@ -8,18 +8,23 @@ python -m ray_zero fit experiments/gpt2_tiny_fit.yaml --budget-gib 3   # largest
 python -m ray_zero report runs/quick-20261129-120000             # tables, plots, report.html again
 python -m ray_zero estimate --model hf:gpt2 --workers 1,2,4,8    # the memory model alone
 python -m ray_zero keys                                          # every experiment key
+
+A thin layer over the Python API (ray_zero/api.py: ray_zero.sweep, ray_zero.fit, ray_zero.estimate).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import os
+import logging
+import shlex
 import sys
 from pathlib import Path
 
+from ray_zero import api
 from ray_zero.config import ConfigError
-from ray_zero.experiment_file import field_help, load_experiment, validate_experiment
+from ray_zero.console import log_to_console
+from ray_zero.experiment_file import field_help
+from ray_zero.report.tables import console_table, rerender
 
 EXIT_BAD_INPUT = 2
 
@@ -71,11 +76,13 @@ def _add_run_options(command: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also write diagnostics.csv: host threads, scheduler counts, pids, time marks",
     )
-    command.add_argument(
+    loudness = command.add_mutually_exclusive_group()
+    loudness.add_argument(
         "--verbose",
         action="store_true",
-        help="show Ray's and every rank's own output on the terminal (kept in Ray's logs otherwise)",
+        help="show ray_zero's debug lines, and Ray's and every rank's own output (else in Ray's logs)",
     )
+    loudness.add_argument("--quiet", action="store_true", help="only warnings and the final table")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -158,88 +165,37 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _use_cluster_token(address: str | None) -> None:
-    """`ray start --head` turns token authentication on where a token exists (~/.ray/auth_token); a client
-    joining it must say so, before Ray is imported (Ray reads RAY_AUTH_MODE once)."""
-    joining = address or os.environ.get("RAY_ADDRESS")
-    has_token = os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").is_file()
-    if joining and has_token and "RAY_AUTH_MODE" not in os.environ:
-        os.environ["RAY_AUTH_MODE"] = "token"
+def _run(args) -> int:
+    from ray_zero.run.sweep import SweepIncomplete  # Ray: imported once the input is known to be good
 
-
-def _describe(experiment, address: str | None = None, check_machine: bool = True):
-    """The model's facts, before Ray starts; a bad model is one line (ConfigError). On this machine's own
-    Ray, a model whose states cannot fit is refused as soon as its parameters are counted (not for
-    `estimate`, which plans for the cluster the user will have)."""
-    from ray_zero.models.describe import describe_model
-    from ray_zero.models.source import ModelError
-
-    def check(params: int) -> None:
-        if check_machine and not (address or os.environ.get("RAY_ADDRESS")):
-            from ray_zero.run.plan import check_model_fits, local_cluster, plan_sweep
-
-            cluster = local_cluster()
-            check_model_fits(experiment, params, cluster, plan_sweep(experiment, cluster))
-
-    try:
-        return describe_model(
-            experiment.model,
-            experiment.model_options,
-            experiment.seq_len,
-            experiment.input_shape,
-            experiment.num_classes,
-            check_params=check,
-        )
-    except ModelError as error:
-        raise ConfigError(f"model {experiment.model}: {error}") from None
-
-
-def _experiment_and_output(args):
-    from ray_zero.store import EXPERIMENT_FILE, read_experiment_file
-
-    if args.resume is not None:
-        if args.experiment or args.overrides:
-            raise ConfigError("--resume DIR takes no experiment file or --set: it reuses DIR's experiment")
-        saved = args.resume / EXPERIMENT_FILE
-        if not saved.is_file():
-            raise ConfigError(
-                f"--resume {args.resume}: no {EXPERIMENT_FILE} there (give a sweep's output folder)"
-            )
-        return validate_experiment(
-            read_experiment_file(args.resume)["experiment"], source=str(saved)
-        ), args.resume
-    if not args.experiment:
+    common = dict(
+        overrides=args.overrides,
+        output=args.output,
+        address=args.address,
+        resume=args.resume,
+        verbose=args.verbose,
+        command=_command(),
+    )
+    if args.resume is None and not args.experiment:
         raise ConfigError(
             f"{args.command} needs an experiment file, e.g. python -m ray_zero {args.command} "
             "experiments/quick.yaml"
         )
-    experiment = load_experiment(args.experiment, args.overrides)
-    return experiment, args.output or Path("runs") / f"{experiment.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
-
-
-def _run(args) -> int:
-    experiment, output = _experiment_and_output(args)
-    model = _describe(experiment, args.address)
-    _use_cluster_token(args.address)
-    from ray_zero.report.tables import console_table  # imports Ray only after the input is checked
-    from ray_zero.run.sweep import SweepIncomplete, run_sweep
-    from ray_zero.store import read_provenance
-
-    # A resumed sweep keeps what its first run collected: its unfinished trials run with the same
-    # --diagnostics.
-    diagnostics = args.diagnostics or bool(args.resume and (read_provenance(output) or {}).get("diagnostics"))
-    options = dict(
-        address=args.address, resume=args.resume is not None, diagnostics=diagnostics, verbose=args.verbose
-    )
     try:
         if args.command == "fit":
-            from ray_zero.run.fit import FitSettings, run_fit
-
-            settings = FitSettings.from_args(args, experiment)
-            frame = run_fit(experiment, output, model, settings, **options)
+            results = api.fit(
+                args.experiment,
+                budget_gib=args.budget_gib,
+                margin_gib=args.margin_gib,
+                granularity=args.granularity,
+                max_micro_batch=args.max_micro_batch,
+                **common,
+            )
+            print(results.fit.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-"))
         else:
-            frame = run_sweep(experiment, output, model, **options)
+            results = api.sweep(args.experiment, diagnostics=args.diagnostics, **common)
     except (KeyboardInterrupt, SweepIncomplete) as stop:
+        output = args.resume or args.output or "the output folder"
         done = f" ({stop})" if isinstance(stop, SweepIncomplete) else ""
         print(
             f"ray_zero: interrupted{done}; finished trials are in {output}/results.csv. "
@@ -247,14 +203,16 @@ def _run(args) -> int:
             file=sys.stderr,
         )
         return 130
-    print(console_table(frame))
-    print(f"ray_zero: results in {output}/ (results.csv, results.md, per_rank.csv, report.html)")
-    return 0 if frame["status"].isin(["ok", "oom", "skipped"]).all() else 1
+    print(console_table(results.table))
+    print(f"ray_zero: results in {results.output}/ (results.csv, results.md, per_rank.csv, report.html)")
+    return 0 if results.table["status"].isin(["ok", "oom", "skipped"]).all() else 1
+
+
+def _command() -> str:
+    return " ".join(shlex.quote(a) for a in ["python", "-m", "ray_zero", *sys.argv[1:]])
 
 
 def _report(args) -> int:
-    from ray_zero.report.tables import console_table, rerender
-
     try:
         frame = rerender(args.directory)
     except FileNotFoundError as error:
@@ -264,18 +222,21 @@ def _report(args) -> int:
 
 
 def _estimate(args) -> int:
-    from ray_zero.report.estimate import estimate_table
-
-    if args.experiment:
-        experiment = load_experiment(
-            args.experiment, args.overrides + ([f"model={args.model}"] if args.model else [])
+    model_set = [f"model={args.model}"] if args.model else []
+    model = args.experiment or args.model or "large"
+    print(
+        api.estimate(
+            model,
+            workers=args.workers,
+            stages=args.stages,
+            backend=args.backend,
+            precision=args.precision,
+            micro_batch_size=args.micro_batch_size,
+            calibration=args.calibration,
+            gpu_gib=args.gpu_gib,
+            overrides=[*args.overrides, *(model_set if args.experiment else [])],
         )
-    else:
-        model = f"model={args.model or 'large'}"
-        experiment = validate_experiment(
-            {"steps": 1, "warmup_steps": 0}, [model, *args.overrides], source="estimate"
-        )
-    print(estimate_table(experiment, _describe(experiment, check_machine=False), args))
+    )
     return 0
 
 
@@ -287,6 +248,8 @@ def _keys(_args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    verbose, quiet = getattr(args, "verbose", False), getattr(args, "quiet", False)
+    log_to_console(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
     handler = {"sweep": _run, "fit": _run, "report": _report, "estimate": _estimate, "keys": _keys}[
         args.command
     ]

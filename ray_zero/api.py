@@ -1,0 +1,278 @@
+"""ray_zero's Python API: what the command line does, for a script, a notebook, or a job submitted to a
+Ray cluster (`ray job submit -- python examples/sweep_script.py`). The CLI is a thin layer over it.
+
+    import ray_zero
+
+    ray_zero.log_to_console()      # the CLI's `ray_zero: ...` lines on stdout
+    results = ray_zero.sweep("experiments/quick.yaml", overrides=["grid.stage=[1]"], output="runs/quick")
+    print(results.table[["trial", "status", "peak_allocated_gib_max", "predicted_peak_gib"]])
+    found = ray_zero.fit("experiments/fit_gpt2_cpu.yaml", budget_gib=2.5)
+    print(found.fit[["stage", "max_micro_batch", "samples_per_s"]], found.best_ds_config)
+    print(ray_zero.estimate("hf:gpt2", workers=[1, 8], stages=[1, 3]))
+
+An experiment is a YAML path, a mapping of its keys, or an `Experiment`; `overrides` are the CLI's `--set`
+KEY=VALUE items. Bad input raises `ConfigError` (one line) before any Ray starts. Ray, torch and
+DeepSpeed are imported when a function needs them, so `import ray_zero` and its input checks stay fast.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import pandas as pd
+
+from ray_zero.config import ConfigError, Experiment
+from ray_zero.experiment_file import load_experiment, validate_experiment
+from ray_zero.measure.search import FitSettings
+from ray_zero.store import EXPERIMENT_FILE, read_experiment_file, read_provenance
+
+ExperimentLike = Union[str, os.PathLike, dict, Experiment]
+FILES = (
+    "results.csv",
+    "results.md",
+    "per_rank.csv",
+    "diagnostics.csv",
+    "report.html",
+    "trials.jsonl",
+    EXPERIMENT_FILE,
+    "calibration.json",
+    "fit.csv",
+    "fit.md",
+    "best_config.json",
+    "best_ds_config.json",
+    "best_experiment.yaml",
+    "best_command.txt",
+)
+
+
+@dataclass
+class Results:
+    """A finished sweep's folder, read: its table (results.csv), each rank's row (per_rank.csv), its files."""
+
+    output: Path
+    table: pd.DataFrame
+    """One row per trial (results.csv; docs/columns.md says what each column is)."""
+    per_rank: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """One row per rank of each trial (per_rank.csv); empty when no trial reported."""
+
+    @property
+    def files(self) -> dict[str, Path]:
+        """The folder's files by name (results.csv, report.html, ...), those that exist."""
+        return {name: self.output / name for name in FILES if (self.output / name).is_file()}
+
+    @classmethod
+    def read(cls, output: Union[str, os.PathLike]) -> "Results":
+        output = Path(output)
+        return cls(output, _csv(output / "results.csv"), _csv(output / "per_rank.csv"))
+
+
+@dataclass
+class FitResults(Results):
+    """A finished fit's folder: the sweep's tables of every probe, and the answer per setting."""
+
+    fit: pd.DataFrame = field(default_factory=pd.DataFrame)
+    """fit.csv: per (engine, stage, workers, ...) the largest micro-batch within the budget, peak, speed."""
+    best_config: Optional[dict] = None
+    """The fastest setting that fits, with its engine config (best_config.json)."""
+    best_ds_config: Optional[dict] = None
+    """The DeepSpeed config the fastest DeepSpeed rank was built with, key for key (best_ds_config.json)."""
+
+    @classmethod
+    def read(cls, output: Union[str, os.PathLike]) -> "FitResults":
+        output = Path(output)
+        return cls(
+            output,
+            _csv(output / "results.csv"),
+            _csv(output / "per_rank.csv"),
+            _csv(output / "fit.csv"),
+            _json(output / "best_config.json"),
+            _json(output / "best_ds_config.json"),
+        )
+
+
+def _csv(path: Path) -> pd.DataFrame:
+    return pd.read_csv(path) if path.is_file() else pd.DataFrame()
+
+
+def _json(path: Path) -> Optional[dict]:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def experiment_of(experiment: ExperimentLike, overrides: Sequence[str] = ()) -> Experiment:
+    """An Experiment from a YAML path, a mapping of its keys or an Experiment, with `--set` overrides."""
+    if isinstance(experiment, Experiment):
+        raw = experiment.model_dump(mode="json", by_alias=True)
+        return validate_experiment(raw, list(overrides), source=experiment.name) if overrides else experiment
+    if isinstance(experiment, dict):
+        return validate_experiment(experiment, list(overrides))
+    if isinstance(experiment, (str, os.PathLike)):
+        return load_experiment(experiment, list(overrides))
+    raise ConfigError(
+        f"experiment must be a YAML path, a mapping or an Experiment, not {type(experiment).__name__}"
+    )
+
+
+def describe(experiment: Experiment, address: Optional[str] = None, check_machine: bool = True):
+    """The model's facts (models.describe.ModelInfo), before Ray starts; a bad model is one ConfigError
+    line. On this machine's own Ray, a model whose states cannot fit is refused as soon as its parameters
+    are counted (not for `estimate`, which plans for the cluster the user will have)."""
+    from ray_zero.models.describe import describe_model
+    from ray_zero.models.source import ModelError
+    from ray_zero.run.plan import check_model_fits, local_cluster, plan_sweep
+
+    def check(params: int) -> None:
+        if check_machine and not (address or os.environ.get("RAY_ADDRESS")):
+            cluster = local_cluster()
+            check_model_fits(experiment, params, cluster, plan_sweep(experiment, cluster))
+
+    try:
+        return describe_model(
+            experiment.model,
+            experiment.model_options,
+            experiment.seq_len,
+            experiment.input_shape,
+            experiment.num_classes,
+            check_params=check,
+        )
+    except ModelError as error:
+        raise ConfigError(f"model {experiment.model}: {error}") from None
+
+
+def _use_cluster_token(address: Optional[str]) -> None:
+    """`ray start --head` turns token authentication on where a token exists (~/.ray/auth_token); a client
+    joining it must say so, before Ray is imported (Ray reads RAY_AUTH_MODE once)."""
+    joining = address or os.environ.get("RAY_ADDRESS")
+    has_token = os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").is_file()
+    if joining and has_token and "RAY_AUTH_MODE" not in os.environ:
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def _prepare(experiment, overrides, output, resume, address) -> tuple[Experiment, Path, Any]:
+    """The experiment (a resumed folder's own), the output folder and the model, all checked before Ray."""
+    if resume is not None:
+        if experiment is not None or overrides:
+            raise ConfigError("--resume DIR takes no experiment file or --set: it reuses DIR's experiment")
+        output = Path(resume)
+        saved = output / EXPERIMENT_FILE
+        if not saved.is_file():
+            raise ConfigError(f"--resume {output}: no {EXPERIMENT_FILE} there (give a sweep's output folder)")
+        loaded = validate_experiment(read_experiment_file(output)["experiment"], source=str(saved))
+    else:
+        if experiment is None:
+            raise ConfigError("give an experiment, e.g. experiments/quick.yaml")
+        loaded = experiment_of(experiment, overrides)
+        output = Path(output) if output else Path("runs") / f"{loaded.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    model = describe(loaded, address)
+    _use_cluster_token(address)
+    return loaded, output, model
+
+
+def sweep(
+    experiment: Optional[ExperimentLike] = None,
+    *,
+    overrides: Sequence[str] = (),
+    output: Union[str, os.PathLike, None] = None,
+    address: Optional[str] = None,
+    resume: Union[str, os.PathLike, None] = None,
+    diagnostics: bool = False,
+    verbose: bool = False,
+    command: Optional[str] = None,
+) -> Results:
+    """Run the experiment's grid, a Ray Train run per trial, and return its tables. `output`: the results
+    folder (default runs/NAME-DATE); `address`: a Ray cluster to join ("auto" for the local `ray start`;
+    default RAY_ADDRESS, else a private Ray); `resume`: finish an interrupted sweep in that folder.
+    Raises SweepIncomplete (its finished rows saved) when stopped early."""
+    loaded, output, model = _prepare(experiment, overrides, output, resume, address)
+    from ray_zero.run.sweep import run_sweep
+
+    # A resumed sweep keeps what its first run collected: its unfinished trials run with the same diagnostics.
+    diagnostics = diagnostics or bool(resume and (read_provenance(output) or {}).get("diagnostics"))
+    run_sweep(
+        loaded,
+        output,
+        model,
+        address=address,
+        resume=resume is not None,
+        diagnostics=diagnostics,
+        verbose=verbose,
+        command=command,
+    )
+    return Results.read(output)
+
+
+def fit(
+    experiment: Optional[ExperimentLike] = None,
+    *,
+    budget_gib: Optional[float] = None,
+    margin_gib: float = 2.0,
+    granularity: Optional[int] = None,
+    max_micro_batch: int = 65536,
+    overrides: Sequence[str] = (),
+    output: Union[str, os.PathLike, None] = None,
+    address: Optional[str] = None,
+    resume: Union[str, os.PathLike, None] = None,
+    verbose: bool = False,
+    command: Optional[str] = None,
+) -> FitResults:
+    """The largest micro-batch within `budget_gib` per rank (default on GPU: the device's memory less
+    `margin_gib`; required on CPU) for every (engine, stage, workers) of the grid, each search in one Ray
+    Train run, then the fastest exported as the config to train with (FitResults.best_ds_config)."""
+    settings = FitSettings(budget_gib, margin_gib, granularity, max_micro_batch)
+    loaded, output, model = _prepare(experiment, overrides, output, resume, address)
+    settings.check(loaded.device)
+    from ray_zero.run.fit import run_fit
+
+    run_fit(
+        loaded,
+        output,
+        model,
+        settings,
+        address=address,
+        resume=resume is not None,
+        verbose=verbose,
+        command=command,
+    )
+    return FitResults.read(output)
+
+
+def estimate(
+    model: Union[str, ExperimentLike] = "large",
+    *,
+    workers: Sequence[int] = (1, 2, 4, 8),
+    stages: Optional[Sequence[int]] = None,
+    backend: str = "deepspeed",
+    precision: str = "fp16",
+    micro_batch_size: int = 64,
+    calibration: Union[str, os.PathLike, None] = None,
+    gpu_gib: Optional[float] = None,
+    overrides: Sequence[str] = (),
+):
+    """The memory model's table for any size, stage and worker count, without training or Ray: `model` is a
+    model source (`hf:llama`, `timm:resnet50`, `large`, `pkg.module:factory`) or an experiment. Returns an
+    Estimate: `.table` (GiB per rank) and `.head` (what it rests on); print it for the CLI's text."""
+    from ray_zero.report.estimate import estimate as estimate_table
+
+    is_source = isinstance(model, str) and not model.endswith((".yaml", ".yml"))
+    experiment = (
+        validate_experiment(
+            {"steps": 1, "warmup_steps": 0}, [f"model={model}", *overrides], source="estimate"
+        )
+        if is_source
+        else experiment_of(model, overrides)
+    )
+    return estimate_table(
+        experiment,
+        describe(experiment, check_machine=False),
+        backend=backend,
+        stages=stages,
+        workers=workers,
+        precision=precision,
+        micro_batch_size=micro_batch_size,
+        calibration_dir=calibration,
+        gpu_gib=gpu_gib,
+    )

@@ -15,8 +15,9 @@ import pytest
 from conftest import ROOT
 
 from ray_zero.experiment_file import load_experiment
+from ray_zero.measure.search import FitSettings
 from ray_zero.models.describe import describe_model
-from ray_zero.run.fit import FitSettings, run_fit
+from ray_zero.run.fit import run_fit
 
 GRANULARITY, LARGEST = 32, 128
 BUDGET_GIB = 2.48  # README's example: 96 samples on this machine

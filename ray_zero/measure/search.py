@@ -13,6 +13,41 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from ray_zero.config import ConfigError
+
+
+@dataclass(frozen=True)
+class FitSettings:
+    """What `fit` searches within: the memory budget per rank, the micro-batches it may try."""
+
+    budget_gib: Optional[float] = None
+    """Memory per rank to stay within (GPU default: the device's memory less margin_gib; CPU: required)."""
+    margin_gib: float = 2.0
+    granularity: Optional[int] = None
+    """Search to a multiple of this many samples (default: every size below 64, multiples of 8 above)."""
+    max_micro_batch: int = 65536
+
+    def check(self, device: str) -> None:
+        """Refuse bad settings in one line, before Ray starts (`device`: the experiment's)."""
+        if self.budget_gib is not None and self.budget_gib <= 0:
+            raise ConfigError(f"--budget-gib {self.budget_gib}: give a positive number of GiB per rank")
+        if self.granularity is not None and self.granularity < 1:
+            raise ConfigError(f"--granularity {self.granularity}: give a whole number of samples, at least 1")
+        if self.budget_gib is None and device == "cpu":
+            raise ConfigError(CPU_NEEDS_A_BUDGET)
+
+    def budget(self, use_gpu: bool, gpu_memory_gib: Optional[float]) -> float:
+        if self.budget_gib is not None:
+            return self.budget_gib
+        if not use_gpu:
+            raise ConfigError(CPU_NEEDS_A_BUDGET)
+        if not gpu_memory_gib:
+            raise ConfigError("fit on a cluster whose GPUs are on other nodes needs --budget-gib G")
+        return gpu_memory_gib - self.margin_gib
+
+
+CPU_NEEDS_A_BUDGET = "fit on CPU needs --budget-gib G: the peak resident set per worker to stay within"
+
 
 @dataclass(frozen=True)
 class Steps:

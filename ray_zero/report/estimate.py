@@ -1,11 +1,16 @@
-"""`python -m ray_zero estimate`: the memory model's table for a model, without training or Ray.
+"""`estimate`: the memory model's table for a model, without training or Ray.
 
 It plans for the cluster the user will have, not this machine: any size, stage and worker count is
-printed (`--gpu-gib G` marks what would not fit a G GiB device); only `sweep` and `fit` check what they
+given (`gpu_gib` marks what would not fit a device of that size); only `sweep` and `fit` check what they
 are about to run against the machine they run on.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
 
 import pandas as pd
 
@@ -21,57 +26,75 @@ from ray_zero.measure.memory_model import (
 from ray_zero.measure.partitions import held
 
 
-def estimate_table(experiment: Experiment, model, args) -> str:
-    """Per stage and worker count: the paper's model states and the engine's components (GiB per rank)."""
+@dataclass
+class Estimate:
+    """The table (GiB per rank, a row per stage and worker count) and the line that says what it rests on."""
+
+    head: str
+    table: pd.DataFrame
+
+    def __str__(self) -> str:
+        text = self.table.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-")
+        return f"{self.head}\n{text}"
+
+
+def estimate(
+    experiment: Experiment,
+    model,
+    *,
+    backend: str = "deepspeed",
+    stages: Optional[Sequence[int]] = None,
+    workers: Sequence[int] = (1, 2, 4, 8),
+    precision: str = "fp16",
+    micro_batch_size: int = 64,
+    calibration_dir: Optional[Path] = None,
+    gpu_gib: Optional[float] = None,
+) -> Estimate:
+    """Per stage and worker count: the paper's model states and the engine's components (GiB per rank),
+    and the peak where activations are known (a preset's shapes, or `calibration_dir`'s calibration.json)."""
+    if backend not in BACKEND_STAGES:
+        raise ConfigError(f"backend must be one of {', '.join(BACKEND_STAGES)}, not {backend!r}")
     calibration = None
-    if args.calibration is not None:
-        calibration = read_calibration(args.calibration)
+    if calibration_dir is not None:
+        calibration = read_calibration(Path(calibration_dir))
         if calibration is None:
             raise ConfigError(
-                f"--calibration {args.calibration}: no calibration.json there (give a sweep's folder)"
+                f"--calibration {calibration_dir}: no calibration.json there (give a sweep's folder)"
             )
-    if min(args.workers) < 1:
-        raise ConfigError(f"--workers: give worker counts of at least 1, not {min(args.workers)}")
-    if args.micro_batch_size < 1:
-        raise ConfigError(f"--micro-batch-size: give at least 1, not {args.micro_batch_size}")
-    stages = args.stages or list(BACKEND_STAGES[args.backend])
+    if not workers or min(workers) < 1:
+        raise ConfigError(f"--workers: give worker counts of at least 1, not {list(workers)}")
+    if micro_batch_size < 1:
+        raise ConfigError(f"--micro-batch-size: give at least 1, not {micro_batch_size}")
+    stages = list(stages or BACKEND_STAGES[backend])
+    bad = [s for s in stages if s not in BACKEND_STAGES[backend]]
+    if bad:
+        raise ConfigError(f"--stages: {backend} has stages {BACKEND_STAGES[backend]}, not {bad[0]}")
     activations, source = activation_estimate(
-        experiment.model, args.micro_batch_size, args.precision, False, calibration, args.backend
+        experiment.model, micro_batch_size, precision, False, calibration, backend
     )
+    fits = f"fits_{gpu_gib:g}_gib" if gpu_gib is not None else None
     rows = []
     for stage in stages:
-        if stage not in BACKEND_STAGES[args.backend]:
-            raise ConfigError(
-                f"--stages: {args.backend} has stages {BACKEND_STAGES[args.backend]}, not {stage}"
-            )
-        for workers in args.workers:
+        for n in workers:
             # What the fullest rank holds, from the parameters' shapes (partitions.py), as a sweep's rows do.
-            shares = held(
-                model.trainable_param_shapes, model.frozen_param_shapes, args.backend, stage, workers
-            )
+            shares = held(model.trainable_param_shapes, model.frozen_param_shapes, backend, stage, n)
             real = engine_prediction(
-                args.backend,
+                backend,
                 model.params,
                 stage,
-                workers,
-                args.precision,
+                n,
+                precision,
                 reduce_bucket_size=experiment.reduce_bucket_size,
                 largest_block_params=model.largest_block_params,
                 held=shares,
             )
-            peak = None
-            if activations is not None:
-                peak = (
-                    real.model_state_bytes
-                    + real.bucket_bytes
-                    + CUDA_WORKSPACE_BYTES
-                    + max(activations + real.compute_bytes, real.step_transient_bytes)
-                )
+            peak = dataclasses.replace(
+                real, activation_bytes=activations, workspace_bytes=CUDA_WORKSPACE_BYTES
+            ).peak_bytes
             row = {
                 "stage": stage,
-                "workers": workers,
-                "paper_states_gib": paper(model.params, stage, workers, args.precision).model_state_bytes
-                / GIB,
+                "workers": n,
+                "paper_states_gib": paper(model.params, stage, n, precision).model_state_bytes / GIB,
                 "params_gib": real.parameter_bytes / GIB,
                 "grads_gib": real.gradient_bytes / GIB,
                 "master_gib": real.master_param_bytes / GIB,
@@ -79,28 +102,23 @@ def estimate_table(experiment: Experiment, model, args) -> str:
                 "states_gib": real.model_state_bytes / GIB,
                 "peak_gib": peak / GIB if peak is not None else float("nan"),
             }
-            if args.gpu_gib is not None:
+            if fits:
                 needed = peak if peak is not None else real.model_state_bytes + real.bucket_bytes
-                row[f"fits_{args.gpu_gib:g}_gib"] = "yes" if needed <= args.gpu_gib * GIB else "no"
+                row[fits] = "yes" if needed <= gpu_gib * GIB else "no"
             rows.append(row)
     activation_text = (
         f"activations {activations / GIB:.3f} GiB ({source})"
         if activations is not None
         else "activations unknown (give --calibration DIR of a sweep of this model)"
     )
-    fits = ""
-    if args.gpu_gib is not None:
-        fits = (
-            f"; fits_{args.gpu_gib:g}_gib: the peak (model states and buckets where activations are unknown) "
-            f"within {args.gpu_gib:g} GiB per GPU"
-        )
     head = (
-        f"{model.description}; {args.backend}, {args.precision}, micro-batch {args.micro_batch_size}, "
-        f"{activation_text}.\npaper = the ZeRO paper's model states; the other columns: what "
-        f"{args.backend} allocates per rank (ray_zero.measure.memory_model), GPU peak with 64 MiB of CUDA "
-        "workspaces"
-        f"{fits}"
+        f"{model.description}; {backend}, {precision}, micro-batch {micro_batch_size}, {activation_text}.\n"
+        f"paper = the ZeRO paper's model states; the other columns: what {backend} allocates per rank "
+        "(ray_zero.measure.memory_model), GPU peak with 64 MiB of CUDA workspaces"
     )
-    return (
-        head + "\n" + pd.DataFrame(rows).to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-")
-    )
+    if fits:
+        head += (
+            f"; {fits}: the peak (model states and buckets where activations are unknown) within "
+            f"{gpu_gib:g} GiB per GPU"
+        )
+    return Estimate(head, pd.DataFrame(rows))

@@ -1,0 +1,127 @@
+"""Each finished trial (or fit's probe) recorded as it comes: trials.jsonl, the tables and page rewritten,
+the copy on the storage path, its line and the progress on the console."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from ray import tune
+
+from ray_zero.console import log
+from ray_zero.measure.calibration import read_calibration
+from ray_zero.report.tables import write_pages, write_results
+from ray_zero.rows import finish_row, trial_row
+from ray_zero.store import append_trial, load_trials, publish, read_provenance
+
+
+def _number(row: dict, key: str, fmt: str) -> str:
+    value = row.get(key)
+    return format(value, fmt) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+
+def trial_summary(row: dict[str, Any]) -> str:
+    """One line per finished trial. On CPU the memory is what it is: the process's peak resident set, beside
+    the model states counted tensor by tensor and what the memory model predicts for them."""
+    text = (
+        f"{row['trial']}: {row['status']}; loss {_number(row, 'loss_first', '.3f')} -> "
+        f"{_number(row, 'loss_last', '.3f')}, {_number(row, 'samples_per_s', '.0f')} samples/s, "
+    )
+    if row.get("memory_kind") == "cpu_rss":
+        text += (
+            f"peak RSS {_number(row, 'peak_allocated_gib_max', '.2f')} GiB, model states "
+            f"{_number(row, 'measured_model_state_gib', '.4f')} GiB (predicted "
+            f"{_number(row, 'predicted_model_state_gib', '.4f')})"
+        )
+    else:
+        text += (
+            f"peak {_number(row, 'peak_allocated_gib_max', '.2f')} GiB (predicted "
+            f"{_number(row, 'predicted_peak_gib', '.2f')})"
+        )
+    text += f", {_number(row, 'wall_s', '.1f')} s"
+    return text + (f"; {row['error']}" if row.get("error") else "")
+
+
+class Recorder:
+    """Records finished trials in the output folder: trials.jsonl, the tables, (with `pages`) the plots
+    and report.html, the copy on the storage path, a line and the progress on the console. It keeps no
+    rows of its own (everything lives in trials.jsonl)."""
+
+    pages = True
+    """Plots and report.html after every row (a fit, whose probes come seconds apart while its ranks need
+    the CPU, draws them once at its end)."""
+
+    def __init__(self, output_dir: Path, storage: str, total: Optional[int], on_row=None, pages: bool = True):
+        self.output_dir, self.storage, self.total, self.on_row, self.pages = (
+            output_dir,
+            storage,
+            total,
+            on_row,
+            pages,
+        )
+        self.started = time.time()
+
+    def record(self, row: dict[str, Any], running: int) -> None:
+        row = finish_row(row, read_calibration(self.output_dir))
+        row["recorded_at"] = time.time()  # when the sweep had it: what each trial adds to a sweep (bench/)
+        append_trial(self.output_dir, row)
+        frame = write_results(self.output_dir, load_trials(self.output_dir), read_provenance(self.output_dir))
+        try:
+            if self.pages:
+                write_pages(self.output_dir, frame)
+        except Exception as error:  # the tables are written; a figure must not end the sweep
+            log.warning(
+                f"plots and report.html not written ({type(error).__name__}: {error}); "
+                f"`python -m ray_zero report {self.output_dir}` draws them later"
+            )
+        publish(self.output_dir, self.storage)
+        if self.on_row is not None:
+            self.on_row(row)
+        of = f"/{self.total}" if self.total else ""
+        log.info(trial_summary(row))
+        log.info(f"{len(frame)}{of} trials finished, {running} running, {time.time() - self.started:.0f} s")
+
+
+class ResultsWriter(Recorder, tune.Callback):
+    """Runs in the sweep's process: records each finished trial. Tune pickles it with the sweep's state,
+    so a resumed sweep gets it back."""
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        self._record(trial, trials)
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        self._record(trial, trials)
+
+    def _record(self, trial, trials) -> None:
+        result = dict(trial.last_result or {})
+        if "status" in result:
+            row = {
+                **{k: result[k] for k in result if k in _row_keys(result)},
+                **json.loads(result.get("nested_json", "{}")),
+            }
+        else:  # a trial whose driver itself died has no result: it still gets a row
+            row = _crashed_row(trial)
+        self.record(row, running=sum(t.status == "RUNNING" for t in trials if t is not trial))
+
+
+def _row_keys(result: dict) -> list[str]:
+    """The row's own keys in a Tune result (Tune adds its bookkeeping: time_this_iter_s, trial_id, ...)."""
+    from ray.tune.result import AUTO_RESULT_KEYS
+
+    tune_keys = set(AUTO_RESULT_KEYS) | {
+        "done",
+        "trial_id",
+        "experiment_tag",
+        "should_checkpoint",
+        "nested_json",
+    }
+    return [k for k in result if k not in tune_keys]
+
+
+def _crashed_row(trial) -> dict[str, Any]:
+    row = trial_row(trial.config["trial"]["spec"])
+    error = getattr(trial, "error_msg", None) or "the trial's driver process stopped without a result"
+    row.update(status="failed", error=str(error).strip().splitlines()[-1][:400])
+    return row

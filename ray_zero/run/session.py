@@ -1,0 +1,239 @@
+"""A sweep's session: its Ray (joined or started), cluster, plan and output folder, the provenance it
+records, and the Tuner that runs its trials (a grid) or fit's searches. ray_zero/run/sweep.py runs a grid
+through it, ray_zero/run/fit.py a search."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import importlib.metadata
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import ray
+import yaml
+from ray import tune
+
+from ray_zero.config import ConfigError, Experiment, Point, TrialSpec
+from ray_zero.console import log
+from ray_zero.report.tables import write_pages, write_results
+from ray_zero.rows import skipped_row
+from ray_zero.run.cluster import joined_cluster, start_ray
+from ray_zero.run.plan import Cluster, Plan, check_model_fits, local_cluster, plan_sweep
+from ray_zero.run.recorder import ResultsWriter
+from ray_zero.run.trial import run_trial, trial_log
+from ray_zero.store import (
+    EXPERIMENT_FILE,
+    TRIALS_FILE,
+    append_trial,
+    atomic_write,
+    join_storage,
+    load_trials,
+    publish,
+    read_provenance,
+)
+
+DRIVER_MEMORY_BYTES = 256 * 1024**2
+
+
+def check_output_dir(output_dir: Path, resume: bool = False) -> None:
+    """Writable, and (unless resuming) without an earlier sweep's trials: a new sweep there would mix its
+    rows into that sweep's table under its own provenance."""
+    trials = output_dir / TRIALS_FILE
+    if not resume and trials.is_file() and trials.stat().st_size:
+        raise ConfigError(
+            f"--output {output_dir}: already holds a sweep's results ({TRIALS_FILE}); give a new "
+            f"folder, or finish that sweep with --resume {output_dir}"
+        )
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / ".ray_zero_write_test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(
+            f"--output {output_dir}: folder is not writable ({error.strerror}); "
+            "give a folder you can write to"
+        ) from None
+
+
+def provenance(experiment: Experiment, cluster: Cluster, plan: Plan, command: str) -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = (
+        f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+        if torch.cuda.is_available()
+        else "none"
+    )
+    return {
+        "experiment": experiment.name,
+        "question": experiment.question,
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": command,
+        "python": platform.python_version(),
+        "torch": str(torch.__version__),
+        "deepspeed": importlib.metadata.version("deepspeed"),
+        "ray": str(ray.__version__),
+        "driver_gpus": gpu,
+        "gpu_memory_gib": cluster.gpu_memory_gib,
+        "cpu": f"{cpu} ({os.cpu_count()} logical CPUs on the driver's machine)",
+        "cluster": f"{cluster.source}: {cluster.gpus} GPUs, {cluster.cpus} CPUs",
+        "device": "gpu" if plan.use_gpu else "cpu",
+        "precision": plan.precision,
+        "max_concurrent_trials": plan.max_concurrent_trials,
+    }
+
+
+class Session:
+    """A sweep's Ray, cluster, plan and output folder, for a grid (`run_grid`) or a search
+    (ray_zero/fit.py)."""
+
+    def __init__(
+        self,
+        experiment: Experiment,
+        model,
+        output_dir: Path,
+        address: Optional[str] = None,
+        command: Optional[str] = None,
+        resume: bool = False,
+        diagnostics: bool = False,
+        verbose: bool = False,
+    ):
+        self.command = command or " ".join(
+            shlex.quote(a) for a in ["python", "-m", "ray_zero", *sys.argv[1:]]
+        )
+        self.output_dir = output_dir.resolve()
+        check_output_dir(self.output_dir, resume)
+        self.experiment, self.model, self.resume = experiment.with_absolute_paths(), model, resume
+        self.diagnostics, self.address, self.verbose = diagnostics, address, verbose
+        if not (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
+            cluster = local_cluster()  # reject impossible grids before Ray starts
+            check_model_fits(self.experiment, model.params, cluster, plan_sweep(self.experiment, cluster))
+
+    def __enter__(self) -> "Session":
+        context, self.joined = start_ray(self.address, self.verbose)
+        try:
+            self.cluster = joined_cluster(self.joined) if self.joined else local_cluster()
+            self.plan = plan_sweep(self.experiment, self.cluster)
+            check_model_fits(self.experiment, self.model.params, self.cluster, self.plan)
+            dashboard = getattr(context, "dashboard_url", None)
+            if dashboard:
+                log.info(f"Ray dashboard at http://{dashboard}")
+            prov = {
+                **provenance(self.experiment, self.cluster, self.plan, self.command),
+                "diagnostics": self.diagnostics,
+            }
+            if self.resume:  # the sweep's provenance is the original run's, plus when and how it was resumed
+                prov = {
+                    **(read_provenance(self.output_dir) or {}),
+                    "resumed": prov["date"],
+                    "resume_command": self.command,
+                }
+            self.provenance = prov
+            atomic_write(
+                self.output_dir / EXPERIMENT_FILE,
+                yaml.safe_dump(
+                    {
+                        "experiment": self.experiment.model_dump(mode="json"),
+                        "model": dataclasses.asdict(self.model),
+                        "provenance": prov,
+                    },
+                    sort_keys=False,
+                ),
+            )
+            storage = self.experiment.runtime.storage_path or str(self.output_dir)
+            self.storage = storage if "://" in storage else str(Path(storage).resolve())
+            # One record of every trial's ranks for the whole sweep, named after its folder (so that a
+            # resumed sweep finds it under the same name).
+            self.log_name = "ray_zero_log_" + hashlib.sha1(str(self.output_dir).encode()).hexdigest()[:12]
+            self._log = trial_log(self.log_name)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.joined:
+            ray.shutdown()
+
+    def spec(self, point: Point, experiment: Optional[Experiment] = None) -> TrialSpec:
+        return TrialSpec(
+            experiment or self.experiment,
+            point,
+            self.plan.precision,
+            self.plan.use_gpu,
+            self.model,
+            self.storage,
+            self.diagnostics,
+            private_ray=not self.joined,
+        )
+
+    def record_skipped(self) -> None:
+        for point, reason in self.plan.skipped:
+            append_trial(self.output_dir, skipped_row(self.spec(point), reason))
+        write_results(self.output_dir, load_trials(self.output_dir), self.provenance)
+
+    def tuner(
+        self,
+        param_space: dict,
+        total: Optional[int],
+        search_alg=None,
+        max_concurrent: Optional[int] = None,
+        on_row=None,
+        tune_name: str = "tune",
+    ) -> tune.Tuner:
+        """A Tuner of `run_trial` over param_space (a grid) or search_alg (a search)."""
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # with verbose=0: no Tune tables on the terminal
+        # The trial is a driver only (the work is in its Train workers): it reserves no CPU, so a 2-CPU
+        # machine can still run a 2-worker trial. Tune needs some resource in the request: a little memory.
+        trainable = tune.with_resources(run_trial, {"cpu": 0, "memory": DRIVER_MEMORY_BYTES})
+        param_space = {**param_space, "log_name": self.log_name} if search_alg is None else {}
+        callbacks = [ResultsWriter(self.output_dir, self.storage, total, on_row)]
+        tune_dir = join_storage(self.storage, tune_name)
+        if self.resume:  # trials that finished keep their rows (trials.jsonl); only the rest run
+            return tune.Tuner.restore(
+                tune_dir,
+                trainable=trainable,
+                resume_unfinished=True,
+                resume_errored=False,
+                restart_errored=True,
+                param_space=param_space,
+            )
+        return tune.Tuner(
+            trainable,
+            param_space=param_space,
+            tune_config=tune.TuneConfig(
+                max_concurrent_trials=max_concurrent or self.plan.trial_drivers,
+                search_alg=search_alg,
+                num_samples=-1 if search_alg is not None else 1,  # a search runs until its searcher is done
+                # The next trial's driver runs in the finished one's process: no new process and imports
+                # for every trial (Tune's default for function trainables is False).
+                reuse_actors=True,
+                # Tune swaps non-primitive values (the spec) for placeholders until the trial runs: the
+                # name travels beside it as a string.
+                trial_name_creator=lambda t: t.config["trial"]["name"],
+                trial_dirname_creator=lambda t: f"{t.config['trial']['name']}_{t.trial_id}",
+            ),
+            run_config=tune.RunConfig(
+                name=tune_name, storage_path=self.storage, callbacks=callbacks, verbose=0
+            ),
+        )
+
+    def finish(self, pages: bool = True):
+        """The tables (and pages) once more, copied to the storage path; the table (a DataFrame)."""
+        frame = write_results(self.output_dir, load_trials(self.output_dir), self.provenance)
+        if pages:
+            write_pages(self.output_dir, frame)
+        publish(self.output_dir, self.storage)
+        return frame
