@@ -81,7 +81,7 @@ def autotuner_ds_config(
         allgather_bucket_size=e.allgather_bucket_size,
     )
     config["gradient_clipping"] = (
-        0.0  # ray_zero/engines.py DeepSpeedEngine: no clipping, as the torch engines
+        0.0  # ray_zero/train/deepspeed_engine.py DeepSpeedEngine: no clipping, as the torch engines
     )
     # train_batch_size would contradict the autotuner's micro-batches; accumulation stays the experiment's.
     del config["train_batch_size"], config["train_micro_batch_size_per_gpu"]

@@ -104,8 +104,8 @@ def main() -> None:
     steps = experiment.steps
     if engine.autotuning_enabled():  # reach the profile window even when the experiment is shorter
         steps = max(steps, engine.autotuning_end_profile_step() + 2)
-    # ray_zero's stage-0 fp16 loss-scale workaround (ray_zero/engines.py) is left out: it changes the
-    # updates, not the time a step takes, which is all the autotuner measures.
+    # ray_zero's stage-0 fp16 loss-scale workaround (ray_zero/train/deepspeed_engine.py) is left out: it
+    # changes the updates, not the time a step takes, which is all the autotuner measures.
     for step in range(steps * accumulation):
         loss = spec.loss(engine, cast_floating(pool[step % len(pool)], dtype))
         engine.backward(loss)

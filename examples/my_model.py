@@ -75,8 +75,8 @@ def build(features: int = 32, width: int = 256, depth: int = 4) -> ModelSpec:
         x, y = batch
         return F.mse_loss(model(x).float(), y.float())
 
-    # blocks: the repeated layers. enable_checkpointing left out: ray_zero then recomputes each block
-    # with torch.utils.checkpoint (ray_zero.models.checkpoint_blocks); give your own if it knows better.
+    # blocks: the repeated layers. enable_checkpointing left out: ray_zero then recomputes each block with
+    # torch.utils.checkpoint (ray_zero.models.source.checkpoint_blocks); give your own if it knows better.
     return ModelSpec(module=module, make_batch=make_batch, loss=loss, blocks=list(module.blocks))
 
 

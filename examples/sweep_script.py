@@ -6,10 +6,8 @@
         python examples/sweep_script.py --address auto   # a job on a running cluster (docs/clusters.md)
 
 It prints ray_zero's console lines, then one line per trial from the returned tables, and exits 1 if a
-trial failed.
+trial failed. README.md shows this code as it is here (tests/test_api.py checks that they agree).
 """
-
-from __future__ import annotations
 
 import argparse
 import sys
@@ -17,23 +15,20 @@ import sys
 import ray_zero
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--experiment", default="experiments/quick.yaml", help="an experiment YAML file")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--output", help="results folder (default runs/NAME-DATE)")
-    parser.add_argument("--address", help="a Ray cluster to join, e.g. auto (default: a private Ray)")
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--experiment", default="experiments/quick.yaml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--output")
+    parser.add_argument("--address")  # "auto" inside a Ray job
     args = parser.parse_args(argv)
 
     ray_zero.log_to_console()  # the CLI's `ray_zero: ...` lines
     results = ray_zero.sweep(
         args.experiment, overrides=args.overrides, output=args.output, address=args.address
     )
-    for row in results.table.itertuples():
-        print(
-            f"{row.trial}: {row.status}, peak {row.peak_allocated_gib_max:.3f} GiB per rank "
-            f"({row.memory_kind}), {row.samples_per_s:.0f} samples/s"
-        )
+    for row in results.table.itertuples():  # results.csv as a DataFrame; results.per_rank too
+        print(f"{row.trial}: {row.status}, peak {row.peak_allocated_gib_max:.3f} GiB per rank")
     print(f"report: {results.files['report.html']}")
     return 0 if results.table["status"].isin(["ok", "skipped"]).all() else 1
 

@@ -4,6 +4,7 @@ as a table. The CLI is a layer over the same functions (tests/test_sweep.py runs
 
 from __future__ import annotations
 
+import re
 import runpy
 
 import pytest
@@ -38,6 +39,13 @@ def test_the_example_script_sweeps_on_the_sessions_ray(ray_instance, tmp_path, c
     results = ray_zero.Results.read(tmp_path / "out")
     assert list(results.table["trial"]) == ["stage1_mb64_w1"] and list(results.per_rank["rank"]) == [0]
     assert {"results.csv", "per_rank.csv", "report.html", "trials.jsonl"} <= set(results.files)
+
+
+def test_readme_shows_the_example_script_as_it_is():
+    readme = (ROOT / "README.md").read_text()
+    shown = re.search(r"examples/sweep_script.py\), complete:\n\n```python\n(.*?)```", readme, re.S).group(1)
+    script = (ROOT / "examples" / "sweep_script.py").read_text()
+    assert script.split('"""\n\n', 1)[1] == shown
 
 
 def test_experiments_come_as_files_mappings_or_objects(tmp_path):

@@ -17,7 +17,8 @@ from torch import nn
 
 from ray_zero.config import unsupported
 from ray_zero.models.spec import ModelSpec
-from ray_zero.train.engines import EngineError, build_engine
+from ray_zero.train.engine_base import EngineError
+from ray_zero.train.engines import build_engine
 from ray_zero.train.settings import EngineSettings
 
 WIDTH, BLOCKS, CLASSES, STEPS = 32, 4, 10, 4

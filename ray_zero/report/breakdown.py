@@ -1,17 +1,16 @@
-"""The report page's bar and fit figures: where each rank's memory went (measured against the memory
-model's components) and, for a `fit` folder, its probes and the largest micro-batch that fits."""
+"""Where each rank's memory went: stacked bars of the model states counted tensor by tensor and the rest
+of the measured peak, beside the memory model's components of its prediction."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import matplotlib.pyplot as plt
-from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from ray_zero.measure.memory_model import GIB, predict_point
-from ray_zero.report.data import SETTING_KEYS, _gib, _int_text, _number, _present, fmt, setting_label
-from ray_zero.report.figures import Figure, Figures, _colour, _from_zero, legend_right
+from ray_zero.report.figures import Figure, Figures, legend_right
+from ray_zero.report.formatting import SETTING_KEYS, as_number, gib_text, int_text
 
 COMPONENTS = [  # (key, label, colour) of the breakdown's stacked bars, bottom to top
     ("parameter_bytes", "parameters", "#4c72b0"),
@@ -33,10 +32,8 @@ PREDICTED_REST = [
 ]
 
 
-class PageFigures(Figures):
-    """Every figure of the page: those of `Figures`, the memory breakdown and the fit's two."""
-
-    # ---- where the memory went
+class BreakdownFigures(Figures):
+    """The memory breakdown (`breakdown`): one figure for a few trials, else one per engine setting."""
 
     def _measured_ranks(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Each rank's components (bytes) for one trial: per_rank.csv, else the row's max over ranks."""
@@ -44,7 +41,7 @@ class PageFigures(Figures):
         ranks = []
         if per_rank is not None and len(per_rank):
             for rank in per_rank[per_rank["trial"] == record["trial"]].sort_values("rank").to_dict("records"):
-                ranks.append({"label": f"rank {_int_text(rank.get('rank'))}", **rank})
+                ranks.append({"label": f"rank {int_text(rank.get('rank'))}", **rank})
         if not ranks:
             aggregate = {key: record.get(f"{key}_per_rank_max") for key, _, _ in COMPONENTS[:4]}
             aggregate["saved_for_backward_bytes"] = record.get("saved_for_backward_bytes_per_rank_max")
@@ -58,13 +55,13 @@ class PageFigures(Figures):
         return ranks
 
     def _measured_bar(self, rank: dict[str, Any], cpu: bool) -> tuple[dict[str, float], str]:
-        parts = {key: (_number(rank.get(key)) or 0.0) for key, _, _ in COMPONENTS[:4]}
+        parts = {key: (as_number(rank.get(key)) or 0.0) for key, _, _ in COMPONENTS[:4]}
         states = sum(parts.values())
-        peak = _number(rank.get("peak_allocated_gib"))
+        peak = as_number(rank.get("peak_allocated_gib"))
         if cpu or peak is None:
             return parts, ""
         peak *= GIB
-        saved = _number(rank.get("saved_for_backward_bytes"))
+        saved = as_number(rank.get("saved_for_backward_bytes"))
         if saved is not None:
             parts["activation_bytes"] = saved
             parts["rest_bytes"] = max(peak - states - saved, 0.0)
@@ -86,7 +83,7 @@ class PageFigures(Figures):
             parts["activation_bytes"] = activations
             parts["rest_bytes"] = max(prediction.peak_bytes - prediction.model_state_bytes - activations, 0.0)
             terms = [
-                f"{words} {_gib(getattr(prediction, key) / GIB, 3)}"
+                f"{words} {gib_text(getattr(prediction, key) / GIB, 3)}"
                 for key, words in PREDICTED_REST
                 if getattr(prediction, key)
             ]
@@ -127,7 +124,7 @@ class PageFigures(Figures):
             bars, spreads = [], []
             for record in group.to_dict("records"):
                 ranks = self._measured_ranks(record)
-                peaks = [(_number(r.get("peak_allocated_gib")), r) for r in ranks]
+                peaks = [(as_number(r.get("peak_allocated_gib")), r) for r in ranks]
                 if len(ranks) > 4:  # many ranks: the lowest and highest peak stand for them
                     known = sorted([p for p in peaks if p[0] is not None], key=lambda p: p[0])
                     if known:
@@ -255,184 +252,3 @@ class PageFigures(Figures):
                 )
             figures.append(figure)
         return figures
-
-    # ---- fit
-
-    def fit_probes(self) -> Figure:
-        sweep = self.sweep
-        frame = sweep.frame
-        probes = frame[~frame["trial"].str.endswith("_timed")]
-        budget = (
-            _number(sweep.fit["budget_gib"].dropna().iloc[0])
-            if sweep.fit["budget_gib"].notna().any()
-            else None
-        )
-        figure = self.new(
-            "Fit: the probes",
-            (
-                "Every probe is a short trial at one micro-batch: its measured peak per rank (circles) or an "
-                "out-of-memory failure (×, at the memory it held, else at the budget); the dashed line is "
-                "the budget, "
-                "the star each setting's largest micro-batch that fits. The timed reruns (trials ending in "
-                "_timed) "
-                "are in the table."
-            ),
-            "fit-probes",
-        )
-        if probes.empty or len(probes) < 2:
-            figure.skipped = "Fewer than two probes: nothing to draw; the fit table says what was found."
-            return figure
-        fig, facets = self._facets(probes, "micro_batch_size")
-        titles: dict[str, str] = {}
-        used = set()
-        present = [label for label, _ in self._by_setting(probes)]
-        for ax, _, workers, group, facet_title in facets:
-            for label, setting in self._by_setting(group):
-                used.add(label)
-                self.dodge("micro_batch_size", probes["micro_batch_size"], present.index(label), len(present))
-                colour = _colour(self.colours.get(label, 0))
-                done = setting[setting["status"] == "ok"]
-                self._points(
-                    ax,
-                    done,
-                    "micro_batch_size",
-                    "peak_allocated_gib_max",
-                    "probe",
-                    figure,
-                    titles,
-                    colour,
-                    "-",
-                    "o",
-                    lambda r: f"{r['trial']}: fits, peak {_gib(r['peak_allocated_gib_max'])}",
-                )
-                for record in setting[setting["status"] != "ok"].to_dict("records"):
-                    y = _number(record["peak_allocated_gib_max"]) or budget
-                    if y is None:
-                        continue
-                    gid = f"{figure.id}--oom--{record['trial']}"
-                    (line,) = ax.plot(
-                        [self.shift(record["micro_batch_size"])],
-                        [y],
-                        "X",
-                        color=colour,
-                        markersize=9,
-                        markeredgecolor="black",
-                        markeredgewidth=0.6,
-                        linestyle="none",
-                    )
-                    line.set_gid(gid)
-                    titles[gid] = (
-                        f"{record['trial']}: {record['status']} ({str(record.get('error') or '')[:120]})"
-                    )
-                found = sweep.fit[
-                    (sweep.fit["num_workers"] == workers) & sweep.fit["max_micro_batch"].notna()
-                ]
-                for answer in found.to_dict("records"):
-                    if setting_label(answer) != label:
-                        continue
-                    match = done[done["micro_batch_size"] == answer["max_micro_batch"]]
-                    y = _number(answer.get("peak_gib")) or (
-                        _number(match["peak_allocated_gib_max"].iloc[0]) if len(match) else None
-                    )
-                    if y is not None:
-                        ax.plot(
-                            [self.shift(answer["max_micro_batch"])],
-                            [y],
-                            "*",
-                            color=colour,
-                            markersize=22,
-                            alpha=0.45,
-                            markeredgecolor="black",
-                            markeredgewidth=0.6,
-                            linestyle="none",
-                            zorder=1.5,
-                        )
-            if budget:
-                ax.axhline(budget, color="firebrick", linestyle="--", linewidth=1)
-            ax.set_title(facet_title, fontsize=9)
-            self._x_axis(ax, "micro_batch_size", group["micro_batch_size"])
-        _from_zero([f[0] for f in facets])
-        facets[0][0].set_ylabel("peak per rank (GiB)")
-        handles = [
-            Line2D([], [], color=_colour(self.colours[label]), linewidth=6, label=label)
-            for label in self.colours
-            if label in used
-        ]
-        handles += [
-            Line2D([], [], color="gray", marker="o", label="probe fits"),
-            Line2D(
-                [],
-                [],
-                color="gray",
-                marker="X",
-                linestyle="none",
-                markeredgecolor="black",
-                label="probe out of memory",
-            ),
-            Line2D(
-                [], [], color="gray", marker="*", markersize=12, linestyle="none", label="largest that fits"
-            ),
-        ]
-        if budget:
-            handles.append(
-                Line2D([], [], color="firebrick", linestyle="--", label=f"budget {budget:.2f} GiB")
-            )
-        legend_right(fig, handles)
-        figure.svg = self.svg(fig, figure, titles)
-        return figure
-
-    def fit_maxima(self) -> Figure:
-        fit = self.sweep.fit
-        figure = self.new(
-            "Fit: the largest micro-batch that fits",
-            (
-                "Per (setting, workers): the largest micro-batch whose measured peak stayed within the "
-                "budget, and "
-                "the samples/s of its timed run."
-            ),
-            "fit-maxima",
-        )
-        found = fit[fit["max_micro_batch"].notna()]
-        if len(found) < 2:
-            figure.skipped = (
-                "One (setting, workers) point found a fitting micro-batch: the fit table says it all."
-                if len(found)
-                else "No point found a micro-batch that fits within the budget."
-            )
-            return figure
-        fig, (size, speed) = plt.subplots(1, 2, figsize=(9.2, 0.9 + 0.32 * len(found)), sharey=True)
-        names, titles = [], {}
-        records = found.sort_values(SETTING_KEYS[:2] + ["num_workers"], kind="stable").to_dict("records")
-        for y, record in zip(range(len(records))[::-1], records):
-            label = setting_label(record)
-            colour = _colour(self.colours.get(label, 0))
-            workers = _int_text(record["num_workers"])
-            names.append((y, f"{label}, {workers} worker" + ("" if workers == "1" else "s")))
-            key = f"{label.replace(' ', '_')}_w{_int_text(record['num_workers'])}"
-            (bar,) = size.barh(y, record["max_micro_batch"], color=colour, height=0.7)
-            bar.set_gid(f"{figure.id}--max--{key}")
-            titles[f"{figure.id}--max--{key}"] = (
-                f"{names[-1][1]}: micro-batch {_int_text(record['max_micro_batch'])}"
-            )
-            size.text(
-                record["max_micro_batch"],
-                y,
-                f" {_int_text(record['max_micro_batch'])}",
-                va="center",
-                fontsize=7,
-            )
-            if _present(record.get("samples_per_s")):
-                speed.barh(y, record["samples_per_s"], color=colour, height=0.7)
-                speed.text(
-                    record["samples_per_s"], y, f" {fmt(record['samples_per_s'])}", va="center", fontsize=7
-                )
-        size.set_yticks([y for y, _ in names])
-        size.set_yticklabels([n for _, n in names], fontsize=8)
-        size.set_xlabel("largest micro-batch that fits")
-        speed.set_xlabel("samples/s at it, all ranks")
-        for ax in (size, speed):
-            ax.grid(axis="x", alpha=0.3)
-            ax.margins(x=0.15)
-        fig.tight_layout()
-        figure.svg = self.svg(fig, figure, titles)
-        return figure

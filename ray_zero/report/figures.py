@@ -1,5 +1,5 @@
-"""The report page's figures: `Figure`, and `Figures` with the drawing they share and memory and
-throughput against workers and micro-batch size (`against`).
+"""The report page's figures' common ground: `Figure`, and `Figures`, the drawing every figure shares
+(SVG output, panels, axes, one colour per engine setting, the legend beside the axes).
 
 Figures are matplotlib, written as inline SVG, not Plotly. Why: Plotly's page needs its script inlined
 to work offline, 4.8 MB (plotly.js of plotly 7.1: 4,815,765 bytes) before the first point, in every
@@ -9,6 +9,9 @@ project's PNGs. What Plotly would add is hovering and zooming; every number is i
 instead, and each marker carries an SVG <title> (the browser shows it on hover). Each drawn marker has an
 id naming its figure, its role and its trial (`fig3--measured--stage1_mb64_w2`), so a test counts them in
 the rendered page.
+
+The figures themselves: against.py (memory and throughput against workers and micro-batch size),
+breakdown.py (where the memory went) and fit_figures.py (a fit's probes and maxima).
 """
 
 from __future__ import annotations
@@ -24,21 +27,11 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on clusters or CI
 import matplotlib.pyplot as plt  # noqa: E402
-import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
 
-from ray_zero.report.data import (  # noqa: E402
-    SETTING_KEYS,
-    Sweep,
-    _gib,
-    _int_text,
-    _number,
-    _percent,
-    device_memory,
-    fmt,
-    setting_label,
-)
+from ray_zero.report.data import Sweep  # noqa: E402
+from ray_zero.report.formatting import SETTING_KEYS, int_text, setting_label  # noqa: E402
+from ray_zero.report.summary import device_memory  # noqa: E402
 
 
 def _settings(frame: pd.DataFrame) -> dict[str, int]:
@@ -47,11 +40,11 @@ def _settings(frame: pd.DataFrame) -> dict[str, int]:
     return {label: i for i, label in enumerate(dict.fromkeys(labels))}
 
 
-def _colour(index: int) -> str:
+def colour_of(index: int) -> str:
     return f"C{index % 10}"
 
 
-def _from_zero(axes: list) -> None:
+def from_zero(axes: list) -> None:
     """y from 0 to a tenth above the highest point of any of `axes` (panels compared side by side: one
     scale, and room above the top marker)."""
     tops = [ax.dataLim.y1 for ax in axes if ax is not None and math.isfinite(ax.dataLim.y1)]
@@ -97,7 +90,8 @@ class Figure:
 
 
 class Figures:
-    """Draws the page's figures as SVG strings; every marker tagged with an id and a hover title."""
+    """What the page's figures share: their numbering, SVG output, panels, axes and markers (every marker
+    tagged with an id and a hover title). The figures are subclasses: page.PageFigures gathers them."""
 
     def __init__(self, sweep: Sweep):
         self.sweep = sweep
@@ -131,8 +125,6 @@ class Figures:
             text = text.replace(f'<g id="{gid}">', f'<g id="{gid}"><title>{html.escape(title)}</title>', 1)
         return text
 
-    # ---- memory and throughput against workers / micro-batch
-
     def _facets(self, rows: pd.DataFrame, axis: str, second: bool = False):
         """One panel per value of the other axis (up to 3 a row; "1 worker", "micro-batch 64"), each with
         a second, lower panel when `second` (MFU, or the model states of CPU rows). Panels of one row
@@ -154,8 +146,8 @@ class Figures:
 
         def title(value) -> str:
             if other == "micro_batch_size":
-                return f"micro-batch {_int_text(value)}"
-            return f"{_int_text(value)} worker" + ("" if _int_text(value) == "1" else "s")
+                return f"micro-batch {int_text(value)}"
+            return f"{int_text(value)} worker" + ("" if int_text(value) == "1" else "s")
 
         facets = []
         for index, value in enumerate(values):
@@ -193,7 +185,7 @@ class Figures:
         if self._log_axis(axis, values):
             ax.set_xscale("log", base=2)
         ax.set_xticks(values)
-        ax.set_xticklabels([_int_text(v) for v in values])
+        ax.set_xticklabels([int_text(v) for v in values])
         ax.set_xlabel(
             "workers (data-parallel ranks)" if axis == "num_workers" else "micro-batch size per rank"
         )
@@ -241,270 +233,6 @@ class Figures:
             marker_line.set_gid(gid)
             titles[gid] = describe(record)
         return len(drawn)
-
-    def against(self, axis: str, what: str, kind: str) -> Figure:
-        """Memory (what="memory") or throughput (what="speed") of one memory kind against `axis`.
-
-        GPU memory: the measured peak (solid, filled) and the predicted (dashed, hollow), out-of-memory
-        trials as × at the memory they held, the device's memory dotted. CPU memory: the resident set
-        above, the model states counted and predicted below (on its own scale: megabytes beside the
-        resident set's gigabytes). Throughput: samples/s above, MFU below on GPU."""
-        frame = self.sweep.frame[self.sweep.frame["memory_kind"].fillna("cuda") == kind]
-        ok = frame[frame["status"] == "ok"]
-        oom = frame[frame["status"] == "oom"] if what == "memory" else frame.iloc[0:0]
-        gpu, memory = kind == "cuda", what == "memory"
-        axis_words = "workers" if axis == "num_workers" else "micro-batch size"
-        device = "GPU" if gpu else "CPU"
-        if memory:
-            title = f"Memory per rank against {axis_words} ({device})"
-            caption = (
-                "Peak CUDA memory allocated per rank, max over ranks: measured (solid, filled) against the "
-                "memory model's prediction (dashed, hollow); × marks an out-of-memory trial at the memory "
-                "it held when it failed."
-                if gpu
-                else "Above, each worker process's peak resident set (Python, torch and Ray included: not "
-                "comparable with GPU memory). Below, on its own scale, the model states counted tensor by "
-                "tensor (solid) and what the memory model predicts for them (dashed, hollow)."
-            )
-        else:
-            title = f"Throughput against {axis_words} ({device})"
-            caption = "Samples per second over the timed steps, summed over ranks" + (
-                "; below, model FLOPs utilisation (MFU), mean over ranks." if gpu else "."
-            )
-        figure = self.new(title, caption, f"{what}-{axis}")
-        plotted = pd.concat([ok, oom])
-        if plotted.empty:
-            figure.skipped = f"No {device} trial finished: nothing to draw against {axis_words}."
-            return figure
-        if plotted[axis].nunique() < 2:
-            only = _int_text(plotted[axis].iloc[0])
-            figure.only = (
-                (f"with {only} worker" + ("" if only == "1" else "s"))
-                if axis == "num_workers"
-                else f"at micro-batch {only}"
-            )
-            figure.skipped = (
-                f"Every {device} trial ran {figure.only}: nothing to draw against {axis_words}; "
-                "the table and the breakdown compare them."
-            )
-            return figure
-        second = (not gpu and memory and ok["measured_model_state_gib"].notna().any()) or (
-            gpu and not memory and ok["mfu"].notna().any()
-        )
-        fig, facets = self._facets(plotted, axis, second)
-        titles: dict[str, str] = {}
-        used: list[str] = []
-        present = [label for label, _ in self._by_setting(plotted)]
-        for top, bottom, _, group, facet_title in facets:
-            for label, setting in self._by_setting(group):
-                colour = _colour(self.colours.get(label, 0))
-                used.append(label)
-                self.dodge(axis, plotted[axis], present.index(label), len(present))
-                done = setting[setting["status"] == "ok"]
-                if memory:
-                    self._points(
-                        top,
-                        done,
-                        axis,
-                        "peak_allocated_gib_max",
-                        "measured",
-                        figure,
-                        titles,
-                        colour,
-                        "-",
-                        "o",
-                        lambda r: (
-                            f"{r['trial']}: {'peak' if gpu else 'peak resident set'} "
-                            f"{_gib(r['peak_allocated_gib_max'])} measured"
-                        ),
-                    )
-                    if gpu:
-                        self._points(
-                            top,
-                            done,
-                            axis,
-                            "predicted_peak_gib",
-                            "predicted",
-                            figure,
-                            titles,
-                            colour,
-                            "--",
-                            "s",
-                            lambda r: f"{r['trial']}: peak {_gib(r['predicted_peak_gib'])} predicted",
-                            hollow=True,
-                        )
-                    elif bottom is not None:
-                        self._points(
-                            bottom,
-                            done,
-                            axis,
-                            "measured_model_state_gib",
-                            "states",
-                            figure,
-                            titles,
-                            colour,
-                            "-",
-                            "^",
-                            lambda r: (
-                                f"{r['trial']}: model states "
-                                f"{float(r['measured_model_state_gib']) * 1024:.3f} MiB counted"
-                            ),
-                            scale=1024,
-                        )
-                        self._points(
-                            bottom,
-                            done,
-                            axis,
-                            "predicted_model_state_gib",
-                            "predicted",
-                            figure,
-                            titles,
-                            colour,
-                            "--",
-                            "^",
-                            lambda r: (
-                                f"{r['trial']}: model states "
-                                f"{float(r['predicted_model_state_gib']) * 1024:.3f} MiB predicted"
-                            ),
-                            hollow=True,
-                            scale=1024,
-                        )
-                    self._failures(top, setting, axis, figure, titles, colour)
-                else:
-                    self._points(
-                        top,
-                        done,
-                        axis,
-                        "samples_per_s",
-                        "measured",
-                        figure,
-                        titles,
-                        colour,
-                        "-",
-                        "o",
-                        lambda r: f"{r['trial']}: {fmt(r['samples_per_s'])} samples/s",
-                    )
-                    if bottom is not None:
-                        self._points(
-                            bottom,
-                            done,
-                            axis,
-                            "mfu",
-                            "mfu",
-                            figure,
-                            titles,
-                            colour,
-                            "-",
-                            "D",
-                            lambda r: f"{r['trial']}: MFU {_percent(float(r['mfu']))}",
-                        )
-            if memory and gpu and self.memory:
-                top.axhline(self.memory, color="black", linestyle=":", linewidth=1)
-            top.set_title(facet_title, fontsize=9)
-            for ax in (top, bottom):
-                if ax is not None:
-                    self._x_axis(ax, axis, plotted[axis])
-            if bottom is not None:
-                top.set_xlabel("")
-                top.tick_params(labelbottom=False)
-                if not memory:
-                    bottom.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
-        _from_zero([f[0] for f in facets])
-        _from_zero([f[1] for f in facets])
-        for top, bottom, *_ in facets:
-            if top.get_subplotspec().colspan.start == 0:
-                top.set_ylabel(
-                    ("peak CUDA allocated per rank (GiB)" if gpu else "peak resident set per worker (GiB)")
-                    if memory
-                    else "samples/s, all ranks"
-                )
-                if bottom is not None:
-                    bottom.set_ylabel("model states per rank (MiB)" if memory else "MFU")
-        legend_right(fig, self._legend(used, memory, gpu, oom_shown=len(oom) > 0))
-        figure.svg = self.svg(fig, figure, titles)
-        if memory and gpu:
-            figure.caption += (
-                f" Dotted: the device's {self.memory:.1f} GiB (from {self.memory_source})."
-                if self.memory
-                else " The device's memory is not recorded in this folder: no line for it."
-            )
-        return figure
-
-    def _failures(
-        self, ax, setting: pd.DataFrame, axis: str, figure: Figure, titles: dict, colour: str
-    ) -> None:
-        """× for each out-of-memory trial, at the memory it held when it failed (else at the device's)."""
-        for record in setting[setting["status"] == "oom"].to_dict("records"):
-            y = _number(record["peak_allocated_gib_max"]) or self.memory
-            if y is None:
-                continue
-            gid = f"{figure.id}--oom--{record['trial']}"
-            (line,) = ax.plot(
-                [self.shift(record[axis])],
-                [y],
-                "X",
-                color=colour,
-                markersize=9,
-                linestyle="none",
-                markeredgecolor="black",
-                markeredgewidth=0.6,
-                zorder=3,
-            )
-            line.set_gid(gid)
-            titles[gid] = f"{record['trial']}: out of memory at {_gib(y)}"
-
-    def _legend(self, used: list[str], memory: bool, gpu: bool, oom_shown: bool) -> list:
-        handles = [
-            Line2D([], [], color=_colour(self.colours[label]), linewidth=6, label=label)
-            for label in self.colours
-            if label in used
-        ]
-        if not memory:
-            return handles
-        if gpu:
-            handles += [
-                Line2D([], [], color="gray", marker="o", label="measured peak"),
-                Line2D(
-                    [],
-                    [],
-                    color="gray",
-                    marker="s",
-                    markerfacecolor="white",
-                    linestyle="--",
-                    label="predicted peak",
-                ),
-            ]
-        else:
-            handles += [
-                Line2D([], [], color="gray", marker="o", label="peak resident set (RSS), measured"),
-                Line2D([], [], color="gray", marker="^", label="model states, counted"),
-                Line2D(
-                    [],
-                    [],
-                    color="gray",
-                    marker="^",
-                    markerfacecolor="white",
-                    linestyle="--",
-                    label="model states, predicted",
-                ),
-            ]
-        if oom_shown:
-            handles.append(
-                Line2D(
-                    [],
-                    [],
-                    color="gray",
-                    marker="X",
-                    linestyle="none",
-                    markeredgecolor="black",
-                    label="out of memory (memory at failure)",
-                )
-            )
-        if gpu and self.memory:
-            handles.append(
-                Line2D([], [], color="black", linestyle=":", label=f"device memory {self.memory:.1f} GiB")
-            )
-        return handles
 
     def _by_setting(self, rows: pd.DataFrame):
         labels = rows.apply(setting_label, axis=1) if len(rows) else pd.Series(dtype=str)

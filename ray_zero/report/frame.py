@@ -12,6 +12,8 @@ import pandas as pd
 from ray_zero.config import DEFAULT_BUCKET_ELEMENTS
 from ray_zero.rows import COLUMNS, SORT_KEYS, aggregate_ranks, finish_row
 
+NOT_OK = ("oom", "failed", "skipped")  # the statuses of a row without a measurement
+
 MARKDOWN_COLUMNS = [
     "trial",
     "precision",

@@ -3,8 +3,9 @@
     from ray_zero.report.page import write_html_report
     write_html_report(Path("results/memory_scaling-h200x2"))   # -> results/memory_scaling-h200x2/report.html
 
-The page is templates/report.html.j2 filled in with the folder's data (data.py: what it reads) and
-its figures (figures.py, breakdown.py). `python -m ray_zero report DIR` writes it again.
+The page is templates/report.html.j2 filled in with the folder's data (data.py: what it reads; summary.py:
+the header and headline) and its figures (figures.py and the modules it names). `python -m ray_zero report
+DIR` writes it again.
 """
 
 from __future__ import annotations
@@ -13,17 +14,24 @@ from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
-from ray_zero.report.breakdown import PageFigures
-from ray_zero.report.data import REPORT_FILE, header, headline, read_sweep, table
+from ray_zero.report.against import AgainstFigures
+from ray_zero.report.breakdown import BreakdownFigures
+from ray_zero.report.data import REPORT_FILE, read_sweep, table
+from ray_zero.report.fit_figures import FitFigures
 from ray_zero.report.frame import memory_note
+from ray_zero.report.summary import header, headline
 from ray_zero.rows import SORT_KEYS
 from ray_zero.store import atomic_write
 
 TEMPLATES = Path(__file__).parent / "templates"
 
 
+class PageFigures(AgainstFigures, BreakdownFigures, FitFigures):
+    """Every figure of the page, numbered in the order they are drawn."""
+
+
 def render_html(output_dir: Path) -> str:
-    """The page's HTML for one output folder (report_data's docstring says what it reads). The same folder
+    """The page's HTML for one output folder (data.py's docstring says what it reads). The same folder
     gives the same bytes: no build time or date of its own on the page, SVG ids salted per figure."""
     sweep = read_sweep(Path(output_dir))
     figures = PageFigures(sweep)

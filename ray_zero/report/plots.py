@@ -11,6 +11,8 @@ matplotlib.use("Agg")  # files only: no display on clusters or CI
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from ray_zero.report.formatting import SETTING_KEYS, setting_label  # noqa: E402
+
 
 def _memory_label(frame: pd.DataFrame) -> str:
     return (
@@ -22,14 +24,8 @@ def _memory_label(frame: pd.DataFrame) -> str:
 
 def _series(frame: pd.DataFrame):
     """One line per engine setting: (label, rows), e.g. "stage 1" or "fsdp stage 3 +ckpt"."""
-    keys = ["backend", "stage", "activation_checkpointing", "offload_optimizer"]
-    for index, (values, group) in enumerate(frame.groupby(keys, sort=True, dropna=False)):
-        backend, stage, checkpointing, offload = values
-        label = ("" if backend == "deepspeed" else f"{backend} ") + f"stage {stage}"
-        label += (" +ckpt" if checkpointing in (True, "True") else "") + (
-            " +offload" if offload not in ("none", None) else ""
-        )
-        yield index, label, group
+    for index, (values, group) in enumerate(frame.groupby(SETTING_KEYS, sort=True, dropna=False)):
+        yield index, setting_label(dict(zip(SETTING_KEYS, values)), offload_place=False), group
 
 
 def _title(frame: pd.DataFrame, extra: str) -> str:

@@ -11,7 +11,7 @@ import pandas as pd
 
 from ray_zero.experiment_file import validate_experiment
 from ray_zero.measure.calibration import read_calibration, write_calibration
-from ray_zero.report.frame import finish_recorded, markdown_table, memory_note, rows_frame
+from ray_zero.report.frame import NOT_OK, finish_recorded, markdown_table, memory_note, rows_frame
 from ray_zero.report.page import write_html_report
 from ray_zero.report.plots import write_plots
 from ray_zero.rows import PER_RANK_COLUMNS, aggregate_ranks
@@ -51,7 +51,7 @@ def render_markdown(frame: pd.DataFrame, provenance: dict[str, Any] | None) -> s
         parts += [f"- {key}: {value}" for key, value in provenance.items() if key != "experiment"] + [""]
     parts += [memory_note(frame), "", markdown_table(frame), ""]
     parts += prediction_notes(frame)
-    failures = frame[frame["status"].isin(["oom", "failed", "skipped"])] if len(frame) else frame
+    failures = frame[frame["status"].isin(NOT_OK)] if len(frame) else frame
     if len(failures):
         parts += (
             ["Not ok:", ""] + [f"- {r.trial}: {r.status}: {r.error}" for r in failures.itertuples()] + [""]

@@ -11,7 +11,8 @@ from typing import Optional
 import psutil
 
 from ray_zero.config import ConfigError, Experiment, Point
-from ray_zero.measure.memory_model import GIB, engine_prediction
+from ray_zero.measure.engine_memory import engine_prediction
+from ray_zero.measure.memory_model import GIB
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,199 @@
+"""The experiment's sections, each a strict pydantic model: the grid Ray Tune sweeps, the optimizer, fault
+injection and the runtime (how the sweep runs on Ray; its storage path must hold no credentials).
+
+Every field has a one-line docstring (shown by `python -m ray_zero keys`, through pydantic's
+use_attribute_docstrings).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Literal, Optional
+from urllib.parse import parse_qsl, urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ray_zero.config.points import BACKEND_STAGES, Backend, Offload, Point, Stage, unsupported
+
+SECRET_QUERY_KEYS = {
+    "access_key",
+    "secret_key",
+    "session_token",
+    "password",
+    "token",
+    "sas_token",
+    "account_key",
+}
+
+
+class StrictModel(BaseModel):
+    # strict: YAML's "8" (a string) or `true` must not silently become an integer.
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        use_attribute_docstrings=True,
+        frozen=True,
+        populate_by_name=True,
+        serialize_by_alias=True,
+    )
+
+
+class Grid(StrictModel):
+    """The grid Ray Tune sweeps: every combination is one trial."""
+
+    backend: list[Backend] = Field(default=["deepspeed"], min_length=1)
+    """Engines: deepspeed (stages 0-3), torch_zero (DDP, + ZeroRedundancyOptimizer at stage 1), fsdp
+    (FSDP2 fully_shard: stage 2 keeps parameters gathered after forward, stage 3 reshards them)."""
+    stage: list[Stage] = Field(default=[0, 1], min_length=1)
+    """ZeRO stages to compare (0 = plain data parallel, 1 = optimizer states partitioned, 2 = gradients
+    too, 3 = parameters too)."""
+    micro_batch_size: list[int] = Field(default=[64], min_length=1)
+    """Samples per rank per forward/backward pass."""
+    num_workers: list[int] = Field(default=[1], min_length=1)
+    """Data-parallel ranks (one per GPU, or one process per runtime.cpus_per_worker CPUs)."""
+    activation_checkpointing: list[bool] = Field(default=[False], min_length=1)
+    """Recompute each block's activations in backward instead of keeping them."""
+    offload_optimizer: list[Offload] = Field(default=["none"], min_length=1)
+    """DeepSpeed ZeRO-Offload: cpu keeps the optimizer states and fp32 master weights in CPU memory
+    and steps them there (DeepSpeed stages 1-3 only)."""
+
+    @field_validator(
+        "backend",
+        "stage",
+        "micro_batch_size",
+        "num_workers",
+        "activation_checkpointing",
+        "offload_optimizer",
+        mode="before",
+    )
+    @classmethod
+    def _scalar_to_list(cls, value: Any) -> Any:
+        return value if isinstance(value, list) else [value]
+
+    @field_validator("micro_batch_size", "num_workers")
+    @classmethod
+    def _at_least_one(cls, values: list[int]) -> list[int]:
+        bad = [v for v in values if v < 1]
+        if bad:
+            raise ValueError(f"must be integers of at least 1, got {bad[0]}")
+        return values
+
+    @model_validator(mode="after")
+    def _engines_have_the_stages(self) -> "Grid":
+        # One engine asked for a stage it does not have: a mistake. Several engines: the combinations
+        # one of them lacks become skipped rows (points_unsupported).
+        if len(set(self.backend)) == 1:
+            for stage in self.stage:
+                for offload in self.offload_optimizer:
+                    reason = unsupported(self.backend[0], stage, offload)
+                    if reason:
+                        raise ValueError(f"{reason} (grid.backend, grid.stage, grid.offload_optimizer)")
+        elif not self.points():
+            raise ValueError(
+                "no combination of grid.backend, grid.stage and grid.offload_optimizer is "
+                f"supported ({', '.join(f'{b}: stages {s}' for b, s in BACKEND_STAGES.items())})"
+            )
+        return self
+
+    def _all_points(self) -> list[Point]:
+        return [
+            Point(b, s, m, w, ac, o)
+            for b, s, m, w, ac, o in itertools.product(
+                dict.fromkeys(self.backend),
+                sorted(set(self.stage)),
+                sorted(set(self.micro_batch_size)),
+                sorted(set(self.num_workers)),
+                sorted(set(self.activation_checkpointing)),
+                dict.fromkeys(self.offload_optimizer),
+            )
+        ]
+
+    def points(self) -> list[Point]:
+        """The grid points the engines can run, in the order the table lists them."""
+        return [p for p in self._all_points() if unsupported(p.backend, p.stage, p.offload_optimizer) is None]
+
+    def points_unsupported(self) -> list[tuple[Point, str]]:
+        """Combinations of several engines' lists that one engine lacks, with the reason."""
+        return [
+            (p, reason)
+            for p in self._all_points()
+            if (reason := unsupported(p.backend, p.stage, p.offload_optimizer))
+        ]
+
+
+class Optimizer(StrictModel):
+    """The one optimizer, the same for every engine (torch's implementation)."""
+
+    type: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class; both keep two fp32 states per parameter."""
+    lr: float = Field(default=1e-3, gt=0)
+    """Learning rate."""
+    betas: list[float] = Field(default=[0.9, 0.999], min_length=2, max_length=2)
+    """Adam's two decay rates."""
+    eps: float = Field(default=1e-8, gt=0)
+    """Adam's epsilon."""
+    weight_decay: float = Field(default=0.01, ge=0)
+    """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
+
+
+class Fault(StrictModel):
+    """Fault injection, for testing the failure paths on purpose (never set it for measurements)."""
+
+    kind: Literal["oom", "error", "sigkill"]
+    """oom raises torch.cuda.OutOfMemoryError, error a RuntimeError, sigkill kills the worker process."""
+    step: int = Field(default=0, ge=0)
+    """Optimizer step (0-based) at which the fault fires."""
+    rank: int = Field(default=0, ge=0)
+    """Rank that fails."""
+    stage: Optional[Stage] = None
+    """Only trials of this ZeRO stage fail (all trials when unset)."""
+    micro_batch_size: Optional[int] = Field(default=None, gt=0)
+    """Only trials of this micro-batch size fail (all when unset)."""
+    attempts: int = Field(default=1_000_000, ge=1)
+    """Fire on this many attempts of a trial (1: the first attempt fails and a retry succeeds)."""
+
+    def fires(self, point: Point, rank: int, step: int, attempt: int) -> bool:
+        return (
+            self.rank == rank
+            and self.step == step
+            and attempt <= self.attempts
+            and self.stage in (None, point.stage)
+            and self.micro_batch_size in (None, point.micro_batch_size)
+        )
+
+
+class Runtime(StrictModel):
+    """How the sweep runs on Ray: none of these change what a trial measures."""
+
+    cpus_per_worker: int = Field(default=1, gt=0)
+    """Logical CPUs each worker reserves."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How a trial's workers are placed on nodes (SPREAD puts them on different nodes)."""
+    max_concurrent_trials: Optional[int] = Field(default=None, gt=0)
+    """At most this many trials at once (default: as many as the cluster's GPUs or CPUs allow). 1 keeps
+    trials from sharing the machine, e.g. to time them without neighbours."""
+    overlap_startup: Optional[bool] = None
+    """Start one trial more than can run at once: its driver and Ray Train controller start, and wait for
+    free GPUs, while the others train. Default: on with GPUs, off on CPU (there the early start takes CPU
+    from the training trials)."""
+    max_failures: int = Field(default=0, ge=0)
+    """Retries of a trial whose worker dies (while training, or while its worker group starts), before it
+    is recorded as failed."""
+    storage_path: Optional[str] = None
+    """Where Tune and Train keep run state: a local or shared folder, or a URI such as s3://bucket/path
+    (defaults to the output folder). Must be reachable from every node on a multi-node cluster."""
+    live_metrics_every: int = Field(default=5, gt=0)
+    """Update the dashboard gauges (and the timed windows' rates) every this many steps."""
+
+    @field_validator("storage_path")
+    @classmethod
+    def _no_credentials(cls, value: Optional[str]) -> Optional[str]:
+        # The storage path is saved with the results and in Tune's state: it must hold no secret.
+        parsed = urlsplit(value or "")
+        secret_query = any(k.lower() in SECRET_QUERY_KEYS for k, _ in parse_qsl(parsed.query))
+        if parsed.password or secret_query:
+            raise ValueError(
+                "must not contain credentials (they would be saved with the results); let "
+                "pyarrow find them in the environment, e.g. AWS_ACCESS_KEY_ID, or an instance role"
+            )
+        return value

@@ -1,0 +1,35 @@
+"""TrialSpec: everything one trial needs, typed, carried from the sweep to its driver and every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ray_zero.config.experiment import Experiment
+from ray_zero.config.points import Point
+
+if TYPE_CHECKING:
+    from ray_zero.models.describe import ModelInfo
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """Everything one trial needs, typed, from the sweep to its driver and every rank."""
+
+    experiment: Experiment
+    point: Point
+    precision: str
+    use_gpu: bool
+    model: "ModelInfo"
+    """What the driver learnt of the model before Ray started (ray_zero.models.ModelInfo)."""
+    storage_path: str
+    diagnostics: bool = False
+    """Collect host-thread and scheduler figures, pids and time marks (diagnostics.csv)."""
+    private_ray: bool = True
+    """The sweep started its own Ray on this machine (no node of it can be preempted)."""
+    label: str = ""
+    """A suffix that tells two trials of one point apart (`fit` times its answer again: "timed")."""
+
+    @property
+    def name(self) -> str:
+        return self.point.name + (f"_{self.label}" if self.label else "")

@@ -1,0 +1,87 @@
+"""Engine: one rank's training behind one small interface (forward_backward, step, model_state_bytes,
+close), EngineError, and what every engine builds the same way (the optimizer, the forward's context).
+
+The engines themselves: ray_zero/train/deepspeed_engine.py and ray_zero/train/torch_engines.py;
+ray_zero/train/engines.py's build_engine picks one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+
+from ray_zero.models.spec import ModelSpec
+from ray_zero.train.settings import EngineSettings
+
+
+class EngineError(ValueError):
+    """An engine cannot be built with these settings (one line)."""
+
+
+def optimizer_class(name: str) -> type:
+    classes = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}
+    if name.lower() not in classes:
+        raise EngineError(f"optimizer must be AdamW or Adam, not {name!r}")
+    return classes[name.lower()]
+
+
+def optimizer_kwargs(settings: EngineSettings) -> dict[str, Any]:
+    o = settings.optimizer
+    return {"lr": o.lr, "betas": tuple(o.betas), "eps": o.eps, "weight_decay": o.weight_decay}
+
+
+def entered(forward_context: Any):
+    """`forward_context` as a context manager: one already, or a callable that makes one (a Meter's probe)."""
+    if forward_context is None:
+        return contextlib.nullcontext()
+    return forward_context if hasattr(forward_context, "__enter__") else forward_context()
+
+
+class Engine:
+    """One rank's training: `forward_backward` for each micro-batch, then `step` once per optimizer step."""
+
+    backend: str
+    input_dtype: torch.dtype = torch.float32
+    config: dict
+
+    def __init__(self, spec: ModelSpec, settings: EngineSettings, device: torch.device):
+        self.spec, self.settings, self.device = spec, settings, device
+        self.backend = settings.backend
+        self._gradient_bytes_after_backward: Optional[int] = None
+
+    def forward_backward(self, batch: Any, boundary: bool, forward_context: Any = None) -> torch.Tensor:
+        """Forward (spec.loss under this engine's autocast; `forward_context` around the forward only), then
+        backward scaled for gradient accumulation; gradients are reduced across ranks only at `boundary`
+        (FSDP2 and DeepSpeed's ZeRO-2/3 reduce-scatter each micro-batch: that is what keeps them sharded).
+        Returns the loss, detached and unscaled."""
+        loss = self._forward_backward(batch, boundary, forward_context)
+        if boundary and self._gradient_bytes_after_backward is None:
+            # Some optimizers free or move gradients in step (zero_grad(set_to_none), DeepSpeed's partitions):
+            # the first boundary backward is where a rank holds all its gradients.
+            self._gradient_bytes_after_backward = self._state_bytes()["gradient_bytes"]
+        return loss
+
+    def step(self) -> None:
+        """The optimizer step, once per `gradient_accumulation_steps` micro-batches, after the boundary
+        one."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Let go of what the engine holds, so that a rank can train another engine after it in the same
+        process (fit's probes, the zoo): nothing by default."""
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """parameter_bytes, gradient_bytes, master_param_bytes, optimizer_state_bytes, other_optimizer_bytes:
+        bytes this rank holds (in device or host memory), each storage once, sharded tensors by their local
+        shard. gradient_bytes is the larger of now and after the first boundary backward."""
+        states = self._state_bytes()
+        states["gradient_bytes"] = max(states["gradient_bytes"], self._gradient_bytes_after_backward or 0)
+        return states
+
+    def _forward_backward(self, batch, boundary, forward_context) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _state_bytes(self) -> dict[str, int]:
+        raise NotImplementedError
