@@ -11,8 +11,13 @@ trial failed. README.md shows this code as it is here (tests/test_api.py checks 
 
 import argparse
 import sys
+from pathlib import Path
 
-import ray_zero
+try:
+    import ray_zero
+except ModuleNotFoundError:  # a checkout, not installed: the package beside examples/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import ray_zero
 
 
 def main(argv=None) -> int:

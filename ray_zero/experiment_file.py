@@ -7,7 +7,6 @@ A ConfigError's message is one line naming the key and what is allowed; the CLI 
 from __future__ import annotations
 
 import copy
-import difflib
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
@@ -15,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from ray_zero.config import ConfigError, Experiment, Runtime
+from ray_zero.models.source import did_you_mean
 
 # ---------------------------------------------------------------- loading, overrides, messages
 
@@ -122,11 +122,10 @@ def describe_validation_error(error: ValidationError) -> str:
     if kind == "extra_forbidden":
         model = _model_at(loc)
         allowed = _keys(model) if model else []
-        guess = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-        hint = f"; did you mean '{guess[0]}'?" if guess else ""
+        hint = did_you_mean(str(loc[-1]), allowed)
         if model is Experiment and loc[-1] in Runtime.model_fields:  # a launcher knob of earlier versions
             hint = f"; it belongs in the runtime: section (runtime.{loc[-1]})"
-        return f"{where}: unknown key{hint} (allowed here: {', '.join(allowed)})"
+        return f"{where}: unknown key{hint}; allowed here: {', '.join(allowed)}"
     if kind == "missing":
         return f"{where}: required key is missing"
     message = first["msg"].removeprefix("Value error, ")

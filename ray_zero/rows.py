@@ -13,7 +13,8 @@ import math
 from typing import Any, Optional
 
 from ray_zero.measure import partitions
-from ray_zero.measure.memory_model import GIB, HELD_COLUMNS, predict_point
+from ray_zero.measure.memory_model import HELD_COLUMNS, predict_point
+from ray_zero.measure.prediction import GIB
 
 COLUMNS = [
     "trial",

@@ -1,44 +1,16 @@
-"""The Python API as a script uses it: examples/sweep_script.py run on the test session's Ray (one
-trial), its Results read back; the API's input forms and its one-line errors before any Ray; estimate
-as a table. The CLI is a layer over the same functions (tests/test_sweep.py runs it as a user would)."""
+"""The Python API without Ray: README shows examples/sweep_script.py as it is; the API's input forms and
+its one-line errors before any Ray; estimate as a table. The script itself runs as README submits it, a
+`ray job submit` on a two-node cluster, its Results read back: tests/test_cluster_use.py. The CLI is a
+layer over the same functions (tests/test_sweep.py runs it as a user would)."""
 
 from __future__ import annotations
 
 import re
-import runpy
 
 import pytest
 from conftest import ROOT
 
 import ray_zero
-
-
-def test_the_example_script_sweeps_on_the_sessions_ray(ray_instance, tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    script = runpy.run_path(str(ROOT / "examples" / "sweep_script.py"))
-    status = script["main"](
-        [
-            "--set",
-            "grid.stage=[1]",
-            "--set",
-            "grid.num_workers=[1]",
-            "--set",
-            "steps=4",
-            "--set",
-            "warmup_steps=1",
-            "--set",
-            f"data_dir={tmp_path / 'mnist'}",
-            "--output",
-            str(tmp_path / "out"),
-        ]
-    )
-    out = capsys.readouterr().out
-    assert status == 0, out
-    assert "ray_zero: stage1_mb64_w1: ok; loss" in out  # the console's line, through logging
-    assert "stage1_mb64_w1: ok, peak" in out  # the script's own, from the returned table
-    results = ray_zero.Results.read(tmp_path / "out")
-    assert list(results.table["trial"]) == ["stage1_mb64_w1"] and list(results.per_rank["rank"]) == [0]
-    assert {"results.csv", "per_rank.csv", "report.html", "trials.jsonl"} <= set(results.files)
 
 
 def test_readme_shows_the_example_script_as_it_is():

@@ -1,7 +1,8 @@
-"""Where users run it: a two-node cluster (`ray start --head`, `ray start --address`), a sweep submitted
-with `ray job submit` that joins it with `--address auto`, its 2-worker trial SPREAD over both nodes,
-live metrics on the nodes' Prometheus endpoints, and the run state in a storage path. One cluster and one
-job for all of it: each cluster and each trial costs tens of seconds on the 2-core machine.
+"""Where users run it: a two-node cluster (`ray start --head`, `ray start --address`), README's script
+(examples/sweep_script.py, through the Python API) submitted with `ray job submit` and joining it with
+`--address auto`, its 2-worker trial SPREAD over both nodes, live metrics on the nodes' Prometheus
+endpoints, and the run state in a storage path. One cluster and one job for all of it: each cluster and
+each trial costs tens of seconds on the 2-core machine.
 
 The cluster has its own ports and temp dir and is torn down (its processes killed) also when the test fails.
 """
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import pandas as pd
 import psutil
+
+import ray_zero
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = str(Path(sys.executable).parent)
@@ -146,12 +149,9 @@ def test_submitted_job_joins_a_two_node_cluster_spreads_its_trial_and_exports_li
     with local_cluster(extra_nodes=1, cpus_per_node=1) as cluster:
         excludes = json.dumps({"excludes": [".whl", "runs", "data", ".git", "results", "bench/results"]})
         # Each node has 1 CPU: the 2-worker trial can only run with one worker per node; 3 workers do not fit.
-        sweep = [
+        sweep = [  # README's command: the script's default experiment is experiments/quick.yaml
             "python",
-            "-m",
-            "ray_zero",
-            "sweep",
-            "experiments/quick.yaml",
+            "examples/sweep_script.py",
             "--address",
             "auto",
             "--set",
@@ -203,7 +203,11 @@ def test_submitted_job_joins_a_two_node_cluster_spreads_its_trial_and_exports_li
             time.sleep(1)
         logs = _ray("job", "logs", f"--address={cluster['dashboard']}", job_id).stdout
         assert "succeeded" in status, logs[-3000:]
-    assert "ray_zero: Ray dashboard at http://127.0.0.1" in logs
+    assert "ray_zero: Ray dashboard at http://127.0.0.1" in logs  # the package's console lines
+    assert "stage1_mb64_w2: ok, peak" in logs  # the script's own, from the table the API returned
+    results = ray_zero.Results.read(output)
+    assert sorted(results.table["trial"]) == ["stage1_mb64_w2", "stage1_mb64_w3"]
+    assert {"results.csv", "per_rank.csv", "report.html"} <= set(results.files)
     table = pd.read_csv(output / "results.csv").set_index("num_workers")
     assert table.loc[2, "status"] == "ok" and table.loc[3, "status"] == "skipped"
     assert "has room for 2" in table.loc[3, "error"]

@@ -72,7 +72,7 @@ def test_grid_points_are_the_cartesian_product():
     "raw, expected",
     [
         ({"steps": 5, "grid": {"stage": [0, 5]}}, "grid.stage[1]: should be 0, 1, 2 or 3, got 5"),
-        ({"steps": 5, "grid": {"stages": [0]}}, "grid.stages: unknown key; did you mean 'stage'?"),
+        ({"steps": 5, "grid": {"stages": [0]}}, "grid.stages: unknown key (did you mean 'stage'?)"),
         ({"steps": "ten"}, "steps: should be a valid integer, got 'ten'"),
         (
             {"steps": 5, "grid": {"num_workers": [0]}},
@@ -101,7 +101,7 @@ def test_grid_points_are_the_cartesian_product():
         ({"steps": 5, "model": "hf:gpt2", "dataset": "mnist"}, "dataset: mnist is for the presets"),
         ({"steps": 5, "cpus_per_worker": 2}, "it belongs in the runtime: section (runtime.cpus_per_worker)"),
         ({"steps": 5, "modl_config": {}}, "did you mean 'model_config'?"),
-        ({"steps": 5, "optimizer": {"lrr": 0.1}}, "optimizer.lrr: unknown key; did you mean 'lr'?"),
+        ({"steps": 5, "optimizer": {"lrr": 0.1}}, "optimizer.lrr: unknown key (did you mean 'lr'?)"),
         ({"steps": True}, "steps: should be a valid integer, got True"),
         (
             {"steps": 5, "runtime": {"storage_path": "s3://bucket/x?access_key=AKIA&secret_key=abc"}},

@@ -6,7 +6,8 @@ import pytest
 
 from ray_zero.config import Optimizer
 from ray_zero.measure.engine_memory import deepspeed, fsdp, paper, torch_zero
-from ray_zero.measure.memory_model import GIB, predict_point
+from ray_zero.measure.memory_model import predict_point
+from ray_zero.measure.prediction import GIB
 from ray_zero.train.ds_config import build_ds_config
 from ray_zero.train.settings import EngineSettings
 

@@ -13,7 +13,8 @@ import random
 
 import pytest
 
-from ray_zero.measure.memory_model import GIB, predict_point
+from ray_zero.measure.memory_model import predict_point
+from ray_zero.measure.prediction import GIB
 from ray_zero.measure.search import BracketSearch, Steps, largest_predicted_to_fit
 
 # Peak resident set per worker (GiB) of `experiments/fit_gpt2_cpu.yaml` (tiny GPT-2, seq_len 512), DeepSpeed

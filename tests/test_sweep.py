@@ -5,6 +5,8 @@ level: tests/test_worker_engines.py; a trial started early: tests/test_faults.py
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -20,6 +22,7 @@ import pytest
 import torch
 from conftest import ROOT
 
+from ray_zero.__main__ import main
 from ray_zero.rows import COLUMNS
 from ray_zero.train.worker import jit_ops_dir
 
@@ -45,9 +48,11 @@ REQUIRED = [
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
+def quick(tmp_path_factory, ray_instance):
     """The quick grid through the CLI, with --diagnostics, Ctrl-C once two trials are recorded, then
-    `--resume`: (output folder, both runs' stdout, the records of the interrupted run)."""
+    `--resume`: (output folder, both runs' stdout, the records of the interrupted run). The resume runs
+    the CLI's `main` in this process, on the session's Ray: a second fresh process with its own private
+    Ray would cost about 15 s more, and the first run is the one that shows a user's start."""
     output = tmp_path_factory.mktemp("quick") / "out"
     args = [
         sys.executable,
@@ -79,15 +84,11 @@ def quick(tmp_path_factory):
     assert sweep.returncode == 130, first_out[-3000:] + first_err[-3000:]
     assert f"sweep --resume {output}" in first_err
     interrupted = [json.loads(line) for line in record.read_text().splitlines()]
-    resumed = subprocess.run(
-        [sys.executable, "-m", "ray_zero", "sweep", "--resume", str(output)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    return output, first_out + resumed.stdout, interrupted
+    resumed = io.StringIO()
+    with contextlib.redirect_stdout(resumed):
+        status = main(["sweep", "--resume", str(output)])
+    assert status == 0, resumed.getvalue()[-3000:]
+    return output, first_out + resumed.getvalue(), interrupted
 
 
 def test_interrupted_sweep_resumes_running_only_unfinished_trials(quick):
@@ -211,15 +212,18 @@ def test_results_markdown_provenance_and_plots(quick):
     assert (output / "memory.png").stat().st_size > 1000 and (output / "throughput.png").stat().st_size > 1000
 
 
-def test_report_rerenders_without_ray(quick, cli):
+def test_report_rerenders_without_ray(quick, capsys):
+    import ray
+
     output, _, _ = quick
     (output / "results.md").unlink()
     (output / "memory.png").unlink()
     before = pd.read_csv(output / "results.csv")
-    done = cli("report", str(output))
-    assert done.returncode == 0, done.stderr
+    ray_before = ray.is_initialized()
+    assert main(["report", str(output)]) == 0  # `python -m ray_zero report DIR`, in this process
+    assert ray.is_initialized() == ray_before
     assert (
-        "stage1_mb64_w2" in done.stdout
+        "stage1_mb64_w2" in capsys.readouterr().out
         and (output / "results.md").is_file()
         and (output / "memory.png").is_file()
     )

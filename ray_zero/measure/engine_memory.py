@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ray_zero.config import DEFAULT_BUCKET_ELEMENTS
 from ray_zero.measure.partitions import Held, even
 from ray_zero.measure.prediction import BYTES, Prediction
 
@@ -56,7 +57,7 @@ def deepspeed(
     precision: str,
     *,
     offload: str = "none",
-    reduce_bucket_size: int = 50_000_000,
+    reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS,
     held: Optional[Held] = None,
 ) -> Prediction:
     """What DeepSpeed 0.19.8 allocates per rank with torch Adam(W), activations aside. `held`: the
@@ -203,7 +204,7 @@ def engine_prediction(
     precision: str,
     *,
     offload: str = "none",
-    reduce_bucket_size: int = 50_000_000,
+    reduce_bucket_size: int = DEFAULT_BUCKET_ELEMENTS,
     largest_block_params: Optional[float] = None,
     held: Optional[Held] = None,
 ) -> Prediction:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ray_zero.config import DEFAULT_BUCKET_ELEMENTS
 from ray_zero.measure.calibration import lookup
 from ray_zero.measure.engine_memory import engine_prediction
 from ray_zero.measure.partitions import Held
 from ray_zero.measure.prediction import BYTES, Prediction
 from ray_zero.models.presets import PRESETS, SAMPLE_BYTES, ModelPreset
 
-GIB = 1024**3
 HELD_COLUMNS = (
     "param_elements_per_rank",
     "gradient_elements_per_rank",
@@ -78,7 +78,7 @@ def predict_point(row: dict[str, Any], calibration: Optional[dict] = None) -> Pr
         row["num_workers"],
         row["precision"],
         offload=row.get("offload_optimizer", "none"),
-        reduce_bucket_size=row.get("reduce_bucket_size", 50_000_000),
+        reduce_bucket_size=row.get("reduce_bucket_size", DEFAULT_BUCKET_ELEMENTS),
         largest_block_params=row.get("largest_block_params"),
         held=held_in_row(row),
     )

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-GIB = 1024**3
+from ray_zero.measure.prediction import GIB
 
 # Dense peak TFLOP/s per GPU (no sparsity), from the vendors' data sheets, for MFU.
 PEAK_TFLOPS = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+GIB = 1024**3
 BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 

@@ -8,7 +8,8 @@ from typing import Any, Optional
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from ray_zero.measure.memory_model import GIB, predict_point
+from ray_zero.measure.memory_model import predict_point
+from ray_zero.measure.prediction import GIB
 from ray_zero.report.figures import Figure, Figures, legend_right
 from ray_zero.report.formatting import SETTING_KEYS, as_number, gib_text, int_text
 

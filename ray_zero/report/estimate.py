@@ -17,8 +17,9 @@ import pandas as pd
 from ray_zero.config import BACKEND_STAGES, ConfigError, Experiment
 from ray_zero.measure.calibration import read_calibration
 from ray_zero.measure.engine_memory import engine_prediction, paper
-from ray_zero.measure.memory_model import CUDA_WORKSPACE_BYTES, GIB, activation_estimate
+from ray_zero.measure.memory_model import CUDA_WORKSPACE_BYTES, activation_estimate
 from ray_zero.measure.partitions import held
+from ray_zero.measure.prediction import GIB
 
 
 @dataclass

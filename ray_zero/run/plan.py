@@ -12,7 +12,7 @@ import psutil
 
 from ray_zero.config import ConfigError, Experiment, Point
 from ray_zero.measure.engine_memory import engine_prediction
-from ray_zero.measure.memory_model import GIB
+from ray_zero.measure.prediction import GIB
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import ray
 from ray.train import TrainingFailedError
 
 from ray_zero.measure import calibration
-from ray_zero.measure.memory_model import GIB
+from ray_zero.measure.prediction import GIB
 from ray_zero.rows import aggregate_ranks, trial_row
 from ray_zero.run.trial import failure_fields, torch_trainer, train_environment
 from ray_zero.train.probing import RecordedProbe, SearchSpec, calibration_probes

@@ -1,6 +1,6 @@
 """fit's search on the ranks of one run: every probe a fresh engine, torn down before the next.
 
-`run_search` runs one search (ray_zero/fit_search.py) to its end on this rank: for each micro-batch the
+`run_search` runs one search (ray_zero/measure/search.py) to its end on this rank: for each micro-batch the
 search asks for it trains the probe's few steps exactly as a trial's rank does (`ray_zero.train.worker.train`,
 which resets the peak), hands the rank's measurements to `on_probe`, and tears the engine down (its
 tensors freed, cycles collected, the CUDA cache emptied, or on CPU the freed heap handed back to the
@@ -8,7 +8,7 @@ system: glibc keeps it otherwise, and the next probe's resident set would start 
 ranks take the same decisions: each probe's figures are all-gathered, and the search records the largest
 peak over ranks. Optionally the search's own calibration probes come first (their activations per sample
 give the first guess on GPU), and the answer's timed run last. No Ray here: the caller reports each
-probe (ray_zero/search_trial.py).
+probe (ray_zero/run/search_trial.py).
 
 Out of memory inside the run: with one rank the probe's result says `oom`, the rank frees what it held
 and goes on if the memory in use is back within `LEAK_TOLERANCE_BYTES` of what it was before the probe;
@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from ray_zero.config import Experiment, TrialSpec
 from ray_zero.measure import calibration
-from ray_zero.measure.memory_model import GIB, predict_point
+from ray_zero.measure.memory_model import predict_point
+from ray_zero.measure.prediction import GIB
 from ray_zero.measure.search import BracketSearch, Steps, largest_predicted_to_fit
 from ray_zero.models.describe import build_model_spec
 from ray_zero.models.spec import ModelSpec, copied
