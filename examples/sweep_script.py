@@ -2,7 +2,7 @@
 
     python examples/sweep_script.py                      # a private Ray on this machine, the quick grid
     python examples/sweep_script.py --set 'grid.num_workers=[1]' --set steps=8
-    ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
+    RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . -- \\
         python examples/sweep_script.py --address auto   # a job on a running cluster (docs/clusters.md)
 
 It prints ray_zero's console lines, then one line per trial from the returned tables, and exits 1 if a
