@@ -155,7 +155,7 @@ def test_submitted_job_joins_a_two_node_cluster_spreads_its_trial_and_exports_li
             "--address",
             "auto",
             "--set",
-            "steps=100",
+            "steps=50",  # about 5 s of training: gauges exported each second (RAY_metrics_report_interval_ms)
             "--set",
             "grid.stage=[1]",
             "--set",
