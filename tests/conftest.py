@@ -13,24 +13,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def deepspeed_cpu_op_built_early():
-    """DeepSpeed builds its CPU communication op (deepspeed_shm_comm) at its first initialize in a Python
-    environment: 20-60 s on 2 cores (a fresh venv, as CI's), inside whichever test comes first. Start
-    that build with the session, beside the tests that need no DeepSpeed; the first that does waits for
-    it (torch's build lock in the folder), and later ones load it. Already built: a second's import."""
-    from ray_zero.train.worker import jit_ops_dir
-
-    build = subprocess.Popen(
-        [sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
-        env={**os.environ, "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", jit_ops_dir())},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    yield
-    build.wait()
-
-
 @pytest.fixture(scope="session")
 def ranks():
     """`ranks(2).row(spec)`: groups of 1 or 2 ranks under gloo, started once for the session
