@@ -126,9 +126,10 @@ def test_an_out_of_memory_probe_is_followed_by_a_good_one_in_the_same_run(search
 def test_teardown_returns_the_memory(searched):
     _, _, probes, _ = searched
     # Resident set after each probe's teardown above what it was before the probe: under 1 MiB here (four
-    # processes, 2026-12-03): the engine, model, batches and the failed step's frames are all freed.
+    # processes, 2026-12-03), once 36 MiB in a CI run of the same day (glibc's heap): the engine, model,
+    # batches and the failed step's frames are all freed (a kept step's activations would be hundreds of MiB).
     left = [p["left_bytes"] / MIB for p in probes]
-    assert max(left) < 32, left
+    assert max(left) < 64, left
     assert probes[1]["left_bytes"] < LEAK_TOLERANCE_BYTES
 
 
