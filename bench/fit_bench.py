@@ -19,6 +19,7 @@ lies midway in that gap; per (budget, point) the exhaustive answer beside fit's.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -52,8 +53,12 @@ def run_cli_fit(
     command += ["--granularity", str(granularity)] if granularity else []
     for override in overrides:
         command += ["--set", override]
+    # The checkout in place of this one on PYTHONPATH too (scripts/gpu-env.sh puts this one there), or
+    # Ray's workers of the older fit would import this checkout's ray_zero.
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(code) if p == str(ROOT) else p for p in paths)}
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=code, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=code, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
     (output.parent / f"{output.name}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0 or not (output / "fit.csv").is_file():

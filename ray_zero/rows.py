@@ -152,7 +152,8 @@ def aggregate_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         row["loss_by_epoch"] = [round(sum(column) / len(column), 5) for column in zip(*epochs)]
     first = per_rank[0] if per_rank else {}
     for key in ("steps", "timed_steps", "memory_kind", "data_source", "device_name", "device_memory_gib"):
-        row[key] = first.get(key)
+        if key in first:  # a rank out of memory reports none: the trial's row keeps its own memory_kind
+            row[key] = first[key]
     for key in ("model_build_s", "data_load_s", "initialize_s", "warmup_s", "timed_s"):  # the slowest rank
         values = _numbers(per_rank, key)
         row[key] = max(values) if values else None

@@ -181,7 +181,9 @@ def run_one(path: str, precision: str, output: Path, overrides: list[str], comma
     last = lambda point: point.backend == "torch_zero"  # noqa: E731
     runs = [spec(p) for p in sorted(plan.runnable, key=last)] + [
         spec(p, probe, "calibration")
-        for p in sorted(calibration.calibration_points(experiment, model, plan.precision), key=last)
+        for p in sorted(
+            calibration.calibration_points(experiment, model, plan.precision, plan.use_gpu), key=last
+        )
     ]
     rows = [skipped_row(spec(p), reason) for p, reason in plan.skipped]
     print(f"zoo: {experiment.name} {plan.precision}: {model.description}; {len(runs)} runs", flush=True)

@@ -117,6 +117,8 @@ def test_sizes_make_activations_dominate_the_gradients():
     # bf16: 45 MiB a sample against 2 x 200 MB of gradients: the smallest size holds 9 samples.
     assert calibration.calibration_sizes(Info(), "bf16") == [9, 18, 27]
     assert calibration.calibration_sizes(None) == [1, 2, 3]
+    # On a GPU at least 1 GiB at the smallest size, above cuDNN's per-shape workspaces: 23 samples.
+    assert calibration.calibration_sizes(Info(), "bf16", on_gpu=True) == [23, 46, 69]
     experiment = experiment_of(
         "experiments/tiny_models_cpu.yaml",
         "grid.backend=[deepspeed,torch_zero,fsdp]",

@@ -317,6 +317,18 @@ def test_deepspeed_fp16_on_cpu_trains_where_its_accelerator_has_fp16_else_says_w
         assert measured == {"error": "ValueError: Type fp16 is not supported on your device."}
 
 
+def deepspeed_builds_its_inference_all_reduce(rank: int, world_size: int) -> bool:
+    from deepspeed.comm import comm
+
+    return comm.cdb.shm_comm_op is not None
+
+
+def test_deepspeed_on_cpu_skips_building_its_inference_all_reduce(runs, ranks):
+    """The ranks of `runs` initialized DeepSpeed on CPU: its shared-memory all-reduce (a JIT build of 38-62 s
+    in a fresh environment, used by tensor-parallel layers only) was not built, and every case trained."""
+    assert ranks(2).call(deepspeed_builds_its_inference_all_reduce) == [False, False]
+
+
 def test_deepspeed_config_is_what_initialize_got(runs):
     measured = result(runs, 2, 0, backend="deepspeed", stage=2)
     config = measured["config"]

@@ -123,6 +123,21 @@ def test_an_out_of_memory_probe_is_followed_by_a_good_one_in_the_same_run(search
     assert probes[2]["steps"] == 3 and probes[2]["loss_last"] < probes[2]["loss_first"]
 
 
+def test_an_out_of_memory_probes_row_is_predicted_as_its_trials_rows_are(searched):
+    from ray_zero.rows import finish_row
+    from ray_zero.run.search_trial import _row
+
+    _, _, probes, _ = searched
+    search = SearchSpec(
+        trial_spec(experiment_of(FIT).probe(3), Point("deepspeed", 1, 16, 1)), 8.0, Steps(16, 64)
+    )
+    rows = [finish_row(_row(search, [probe], 0.0)) for probe in probes]
+    assert [r["status"] for r in rows] == ["ok", "oom", "ok"]
+    # The oom rank reports no memory_kind; its row keeps the trial's (on a GPU, "cuda": a peak predicted).
+    assert [r["memory_kind"] for r in rows] == ["cpu_rss"] * 3
+    assert rows[1]["prediction"] == rows[0]["prediction"] and rows[1]["predicted_model_state_gib"] > 0
+
+
 def test_teardown_returns_the_memory(searched):
     _, _, probes, _ = searched
     # Resident set after each probe's teardown above what it was before the probe: under 1 MiB here (four

@@ -43,6 +43,10 @@ AUTOGRAD_FACTOR = 2.5
 loss's fp32 logits), but more than this factor apart, either way, the two disagree."""
 ACTIVATION_FLOOR_BYTES = 64 * 2**20
 """The smallest size keeps at least this much in activations: well above the allocator's rounding."""
+GPU_ACTIVATION_FLOOR_BYTES = 2**30
+"""On a GPU, at least this much: cuDNN picks a convolution's algorithm and workspace per shape, and those
+transients (tens to hundreds of MiB) bent ResNet-50's line at 3, 6 and 9 samples (117-350 MiB of
+activations) on an H200."""
 
 
 def wanted(experiment: Experiment, use_gpu: bool) -> bool:
@@ -59,24 +63,27 @@ def probe_experiment(experiment: Experiment) -> Experiment:
     )
 
 
-def calibration_sizes(model=None, precision: str = "fp16") -> list[int]:
+def calibration_sizes(model=None, precision: str = "fp16", on_gpu: bool = False) -> list[int]:
     """Three micro-batches s, 2s, 3s whose activations dominate: at s, about twice the low-precision
-    gradients (and at least ACTIVATION_FLOOR_BYTES), by the meta-device count of autograd's saved bytes
-    per sample (built in fp32: halved for fp16/bf16). 1, 2, 3 when that count is unknown."""
+    gradients (and at least ACTIVATION_FLOOR_BYTES, GPU_ACTIVATION_FLOOR_BYTES on a GPU), by the
+    meta-device count of autograd's saved bytes per sample (built in fp32: halved for fp16/bf16).
+    1, 2, 3 when that count is unknown."""
     saved = getattr(model, "saved_bytes_per_sample", None)
     params = getattr(model, "trainable_params", None) or getattr(model, "params", None) or 0
     if not saved:
         return [1, 2, 3]
     scale = 0.5 if precision in ("fp16", "bf16") else 1.0
-    target = max(2 * 2 * params, ACTIVATION_FLOOR_BYTES)
+    target = max(2 * 2 * params, GPU_ACTIVATION_FLOOR_BYTES if on_gpu else ACTIVATION_FLOOR_BYTES)
     smallest = max(1, min(math.ceil(target / (saved * scale)), 256))
     return [smallest * k for k in range(1, SIZES + 1)]
 
 
-def calibration_points(experiment: Experiment, model=None, precision: str = "fp16") -> list[Point]:
+def calibration_points(
+    experiment: Experiment, model=None, precision: str = "fp16", on_gpu: bool = False
+) -> list[Point]:
     """Per engine of the grid (at its smallest stage) and per checkpointing setting: one worker at each
     of `calibration_sizes`."""
-    sizes = calibration_sizes(model, precision)
+    sizes = calibration_sizes(model, precision, on_gpu)
     return [
         Point(backend, BACKEND_STAGES[backend][0], size, 1, checkpointing)
         for backend in dict.fromkeys(experiment.grid.backend)

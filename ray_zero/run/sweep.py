@@ -32,7 +32,9 @@ class SweepIncomplete(Exception):
 def calibrate(session: Session, total: Optional[int] = None) -> dict:
     """Short trials measure the model's activations per sample, per engine of the grid, at three sizes
     (ray_zero/calibration.py); their rows join the tables, and calibration.json predicts every later row."""
-    points = calibration.calibration_points(session.experiment, session.model, session.plan.precision)
+    points = calibration.calibration_points(
+        session.experiment, session.model, session.plan.precision, session.plan.use_gpu
+    )
     probe = calibration.probe_experiment(session.experiment)
     specs = [dataclasses.replace(session.spec(p, probe), label="calibration") for p in points]
     log.info(f"calibrating activations: {len(specs)} trials ({', '.join(s.name for s in specs)})")
@@ -80,7 +82,11 @@ def run_sweep(
         )
         total = len(plan.runnable) + len(plan.skipped)
         if calibration.wanted(session.experiment, plan.use_gpu):
-            total += len(calibration.calibration_points(session.experiment, session.model, plan.precision))
+            total += len(
+                calibration.calibration_points(
+                    session.experiment, session.model, plan.precision, plan.use_gpu
+                )
+            )
             if not resume:
                 calibrate(session, total)
         specs = [session.spec(p) for p in plan.runnable]

@@ -119,7 +119,7 @@ def calibration_probes(search: SearchSpec) -> list[TrialSpec]:
     length = calibration.probe_experiment(spec.experiment)
     return [
         search.at(size, length, label="calibration")
-        for size in calibration.calibration_sizes(spec.model, spec.precision)
+        for size in calibration.calibration_sizes(spec.model, spec.precision, spec.use_gpu)
     ]
 
 
