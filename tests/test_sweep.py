@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 from conftest import ROOT
 
 from ray_zero.__main__ import main
@@ -184,11 +183,14 @@ def test_diagnostics_file_holds_the_host_figures_when_asked(quick):
 
 
 @pytest.mark.skipif("TORCH_EXTENSIONS_DIR" in os.environ, reason="the user chose the JIT build folder")
-def test_ranks_build_deepspeeds_cpu_op_in_this_environments_own_folder(quick):
+def test_ranks_point_deepspeeds_jit_builds_at_this_environments_own_folder(quick):
+    # On CPU no op is built any more (tests/test_engines.py); on a GPU DeepSpeed may JIT-build its ops, and
+    # two venvs sharing torch's default folder rebuilt them in turn.
+    from torch.utils.cpp_extension import get_default_build_root
+
     output, _, _ = quick
     assert set(pd.read_csv(output / "diagnostics.csv")["jit_ops_dir"]) == {jit_ops_dir()}
-    build_file = Path(jit_ops_dir()) / "deepspeed_shm_comm" / "build.ninja"
-    assert str(Path(torch.__file__).parent / "include") in build_file.read_text()
+    assert jit_ops_dir() != get_default_build_root()
 
 
 def test_results_markdown_provenance_and_plots(quick):
