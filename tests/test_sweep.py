@@ -15,9 +15,12 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pandas as pd
+import psutil
 import pytest
 from conftest import ROOT
 
@@ -46,6 +49,35 @@ REQUIRED = [
 ]
 
 
+PRIVATE_RAY: dict = {}
+"""What the quick grid's CLI process started: its dashboard's listening addresses and HTTP answers."""
+
+
+def _look_at_private_ray(pid: int) -> None:
+    """The dashboard of the Ray that process `pid` started (its child): every address it listens on, and
+    what its HTTP port answers a request without a token."""
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if not any(a.endswith("dashboard/dashboard.py") for a in child.cmdline()):
+                continue
+            listening = {
+                (c.laddr.ip, c.laddr.port) for c in child.net_connections("inet") if c.status == "LISTEN"
+            }
+        except psutil.NoSuchProcess:
+            continue
+        answers = []
+        for _, port in sorted(listening):
+            try:
+                answers.append(
+                    urllib.request.urlopen(f"http://127.0.0.1:{port}/api/version", timeout=3).status
+                )
+            except urllib.error.HTTPError as error:
+                answers.append(error.code)
+            except (OSError, ValueError):
+                pass  # not an HTTP port (gRPC, metrics agent)
+        PRIVATE_RAY.update(listening=listening, answers=answers)
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory, ray_instance):
     """The quick grid through the CLI, with --diagnostics, Ctrl-C once two trials are recorded, then
@@ -69,7 +101,11 @@ def quick(tmp_path_factory, ray_instance):
         str(output),
         "--diagnostics",
     ]
-    sweep = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # As a user runs it: no Ray address, no auth mode chosen (the private Ray's defaults are the subject).
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    sweep = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     record = output / "trials.jsonl"
     deadline = time.time() + 300
     while (
@@ -77,6 +113,8 @@ def quick(tmp_path_factory, ray_instance):
         and sweep.poll() is None
         and not (record.is_file() and record.read_text().count("\n") >= 2)
     ):
+        if not PRIVATE_RAY and record.is_file():  # a trial is recorded: its Ray is up
+            _look_at_private_ray(sweep.pid)
         time.sleep(0.5)
     sweep.send_signal(signal.SIGINT)  # Ctrl-C
     first_out, first_err = sweep.communicate(timeout=180)
@@ -88,6 +126,14 @@ def quick(tmp_path_factory, ray_instance):
         status = main(["sweep", "--resume", str(output)])
     assert status == 0, resumed.getvalue()[-3000:]
     return output, first_out + resumed.getvalue(), interrupted
+
+
+def test_the_clis_private_ray_listens_on_loopback_only_and_asks_for_a_token(quick):
+    # A private Ray (no --address): its dashboard binds 127.0.0.1 only, as ray_zero asks (nothing of it is
+    # reachable from the network), and token authentication stays on: a request without the token is refused.
+    assert PRIVATE_RAY.get("listening"), "no dashboard process of the CLI's Ray was found"
+    assert {ip for ip, _ in PRIVATE_RAY["listening"]} == {"127.0.0.1"}, PRIVATE_RAY
+    assert 401 in PRIVATE_RAY["answers"] and 200 not in PRIVATE_RAY["answers"], PRIVATE_RAY
 
 
 def test_interrupted_sweep_resumes_running_only_unfinished_trials(quick):
