@@ -77,7 +77,9 @@ def predict_point(row: dict[str, Any], calibration: Optional[dict] = None) -> Pr
         row["stage"],
         row["num_workers"],
         row["precision"],
-        offload=row.get("offload_optimizer", "none"),
+        # Offload moves the master and Adam's states from the device to the host: on a CPU rank both are
+        # the same memory, where the rank's count finds them.
+        offload=row.get("offload_optimizer", "none") if on_gpu else "none",
         reduce_bucket_size=row.get("reduce_bucket_size", DEFAULT_BUCKET_ELEMENTS),
         largest_block_params=row.get("largest_block_params"),
         held=held_in_row(row),
