@@ -88,6 +88,7 @@ PER_RANK_COLUMNS = [
     "model_build_s",
     "data_load_s",
     "initialize_s",
+    "turn_wait_s",
     "warmup_s",
     "timed_s",
     "data_source",
@@ -154,7 +155,8 @@ def aggregate_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("steps", "timed_steps", "memory_kind", "data_source", "device_name", "device_memory_gib"):
         if key in first:  # a rank out of memory reports none: the trial's row keeps its own memory_kind
             row[key] = first[key]
-    for key in ("model_build_s", "data_load_s", "initialize_s", "warmup_s", "timed_s"):  # the slowest rank
+    for key in ("model_build_s", "data_load_s", "initialize_s", "turn_wait_s", "warmup_s", "timed_s"):
+        # the slowest rank
         values = _numbers(per_rank, key)
         row[key] = max(values) if values else None
     return row
@@ -182,6 +184,7 @@ def trial_row(spec) -> dict[str, Any]:
         "reduce_bucket_size": experiment.reduce_bucket_size,
         "flops_per_sample": spec.model.flops_per_sample,
         "largest_block_params": spec.model.largest_block_params,
+        "gpu_share": spec.gpu_share if spec.use_gpu else None,
         **_held(spec.model, point),
     }
 

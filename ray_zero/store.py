@@ -84,6 +84,16 @@ def join_storage(storage: str, name: str) -> str:
     return f"{storage.rstrip('/')}/{name}" if "://" in storage else str(Path(storage) / name)
 
 
+def storage_has(storage: str, name: str) -> bool:
+    """Whether STORAGE/name exists (a folder, or a URI such as s3://bucket/path, via pyarrow)."""
+    from pyarrow import fs
+
+    if "://" not in storage:
+        return Path(join_storage(storage, name)).exists()
+    filesystem, path = fs.FileSystem.from_uri(join_storage(storage, name))
+    return filesystem.get_file_info(path).type != fs.FileType.NotFound
+
+
 def publish(output_dir: Path, storage: str) -> None:
     """Copy the tables to STORAGE/results (a folder or a URI such as s3://bucket/sweep, via pyarrow),
     so that a sweep on a cluster leaves them beside its run state, reachable from every node."""

@@ -255,6 +255,7 @@ def test_results_markdown_provenance_and_plots(quick):
         "cpu:",
         "date:",
         "command:",
+        "scheduling: up to 1 at once on CPU",
     ):
         assert key in saved
     assert (output / "memory.png").stat().st_size > 1000 and (output / "throughput.png").stat().st_size > 1000

@@ -176,6 +176,14 @@ class Runtime(StrictModel):
     """Start one trial more than can run at once: its driver and Ray Train controller start, and wait for
     free GPUs, while the others train. Default: on with GPUs, off on CPU (there the early start takes CPU
     from the training trials)."""
+    share_gpus: bool = True
+    """On GPUs, start several trials on one GPU when their predicted memory fits there together: each
+    builds its model and engine beside the others, then waits for the GPU's measurement turn, so that no
+    two trials' warm-up or timed steps overlap on one GPU (run/gpu_sharing.py says the rule). false: one
+    trial per GPU at a time (+1 starting early, overlap_startup)."""
+    max_trials_per_gpu: int = Field(default=6, gt=0)
+    """With share_gpus: at most this many trials on one GPU at once (each is a process, with its CUDA
+    context and its share of the host's CPUs and memory)."""
     max_failures: int = Field(default=0, ge=0)
     """Retries of a trial whose worker dies (while training, or while its worker group starts), before it
     is recorded as failed."""

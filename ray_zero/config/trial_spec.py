@@ -27,6 +27,9 @@ class TrialSpec:
     """Collect host-thread and scheduler figures, pids and time marks (diagnostics.csv)."""
     private_ray: bool = True
     """The sweep started its own Ray on this machine (no node of it can be preempted)."""
+    gpu_share: float = 1.0
+    """The share of one GPU each of the trial's workers reserves (a fractional GPU in Ray's resources):
+    under 1 when it starts beside other trials on one GPU (ray_zero/run/gpu_sharing.py)."""
     label: str = ""
     """A suffix that tells two trials of one point apart (`fit` times its answer again: "timed")."""
 

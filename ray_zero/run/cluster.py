@@ -40,6 +40,43 @@ def start_ray(address: Optional[str], verbose: bool = False) -> tuple[object, Op
 
 def joined_cluster(address: str) -> Cluster:
     total = ray.cluster_resources()
+    gpus = int(total.get("GPU", 0))
     return Cluster(
-        gpus=int(total.get("GPU", 0)), cpus=int(total.get("CPU", 0)), source=f"the cluster at {address}"
+        gpus=gpus,
+        cpus=int(total.get("CPU", 0)),
+        source=f"the cluster at {address}",
+        gpu_memory_gib=cluster_gpu_memory_gib() if gpus else None,
     )
+
+
+def _this_nodes_smallest_gpu_gib() -> Optional[float]:
+    """The smallest GPU's memory on the node this runs on, through NVML (no CUDA context, no torch)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        sizes = [
+            pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total
+            for i in range(pynvml.nvmlDeviceGetCount())
+        ]
+        return min(sizes) / 1024**3 if sizes else None
+    except Exception:  # no NVML on that node: unknown
+        return None
+
+
+def cluster_gpu_memory_gib(timeout_s: float = 60) -> Optional[float]:
+    """The smallest GPU's memory over the cluster's GPU nodes (a task on each, placed by node), or None
+    when any node does not say within `timeout_s`: GPUs of unknown memory are not shared (run/sweep.py)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("GPU")]
+    probe = ray.remote(num_cpus=0)(_this_nodes_smallest_gpu_gib)
+    refs = [
+        probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        for node in nodes
+    ]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    sizes = [ray.get(ref) for ref in ready]
+    if not nodes or len(sizes) < len(nodes) or None in sizes:
+        return None
+    return min(sizes)

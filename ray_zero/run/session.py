@@ -21,8 +21,9 @@ from ray import tune
 
 from ray_zero.config import ConfigError, Experiment, Point, TrialSpec
 from ray_zero.console import log
+from ray_zero.measure.calibration import read_calibration
 from ray_zero.report.tables import write_pages, write_results
-from ray_zero.rows import skipped_row
+from ray_zero.rows import finish_row, skipped_row
 from ray_zero.run.cluster import joined_cluster, start_ray
 from ray_zero.run.plan import Cluster, Plan, check_model_fits, local_cluster, plan_sweep
 from ray_zero.run.recorder import ResultsWriter
@@ -141,17 +142,7 @@ class Session:
                     "resume_command": self.command,
                 }
             self.provenance = prov
-            atomic_write(
-                self.output_dir / EXPERIMENT_FILE,
-                yaml.safe_dump(
-                    {
-                        "experiment": self.experiment.model_dump(mode="json"),
-                        "model": dataclasses.asdict(self.model),
-                        "provenance": prov,
-                    },
-                    sort_keys=False,
-                ),
-            )
+            self._write_experiment()
             storage = self.experiment.runtime.storage_path or str(self.output_dir)
             self.storage = storage if "://" in storage else str(Path(storage).resolve())
             # One record of every trial's ranks for the whole sweep, named after its folder (so that a
@@ -162,6 +153,24 @@ class Session:
             self.__exit__()
             raise
         return self
+
+    def _write_experiment(self) -> None:
+        atomic_write(
+            self.output_dir / EXPERIMENT_FILE,
+            yaml.safe_dump(
+                {
+                    "experiment": self.experiment.model_dump(mode="json"),
+                    "model": dataclasses.asdict(self.model),
+                    "provenance": self.provenance,
+                },
+                sort_keys=False,
+            ),
+        )
+
+    def record_scheduling(self, text: str) -> None:
+        """How the trials were scheduled (how many at once, sharing GPUs or not), in the provenance."""
+        self.provenance = {**self.provenance, "scheduling": text}
+        self._write_experiment()
 
     def __exit__(self, *exc) -> None:
         if not self.joined:
@@ -231,8 +240,12 @@ class Session:
         )
 
     def finish(self, pages: bool = True):
-        """The tables (and pages) once more, copied to the storage path; the table (a DataFrame)."""
-        frame = write_results(self.output_dir, load_trials(self.output_dir), self.provenance)
+        """The tables (and pages) once more, each row predicted with the calibration as it is now (a row
+        that finished before the calibration did has it here), copied to the storage path; the table (a
+        DataFrame)."""
+        found = read_calibration(self.output_dir)
+        rows = [finish_row(row, found) for row in load_trials(self.output_dir)]
+        frame = write_results(self.output_dir, rows, self.provenance)
         if pages:
             write_pages(self.output_dir, frame)
         publish(self.output_dir, self.storage)

@@ -12,13 +12,17 @@ from typing import Optional
 
 from ray import tune
 
-from ray_zero.config import Experiment
+from ray_zero.config import Experiment, TrialSpec
 from ray_zero.console import log
 from ray_zero.measure import calibration
+from ray_zero.measure.calibration import read_calibration
+from ray_zero.measure.prediction import GIB
 from ray_zero.models.describe import describe_model
+from ray_zero.rows import trial_row
+from ray_zero.run.gpu_sharing import Sharing, gpu_shares, memory_need
 from ray_zero.run.session import Session
 from ray_zero.run.trial import trial_config
-from ray_zero.store import load_trials
+from ray_zero.store import load_trials, storage_has
 
 
 class SweepIncomplete(Exception):
@@ -29,26 +33,54 @@ class SweepIncomplete(Exception):
         self.finished, self.total = finished, total
 
 
-def calibrate(session: Session, total: Optional[int] = None) -> dict:
-    """Short trials measure the model's activations per sample, per engine of the grid, at three sizes
-    (ray_zero/calibration.py); their rows join the tables, and calibration.json predicts every later row."""
+class CalibrationRecorder:
+    """calibration.json as soon as the calibration trials all have rows, so that the rows recorded after
+    them carry the calibrated prediction (the sweep's tables are predicted again at its end)."""
+
+    def __init__(self, session: Session, names: set[str]):
+        self.session, self.names = session, names
+
+    def __call__(self, row: dict) -> None:
+        if not self.names or row["trial"] not in self.names:
+            return
+        rows = [r for r in load_trials(self.session.output_dir) if r["trial"] in self.names]
+        if len(rows) < len(self.names):
+            return
+        plan = self.session.plan
+        found = calibration.write_calibration(
+            self.session.output_dir, self.session.experiment, rows, plan.use_gpu, plan.precision
+        )
+        doubtful = any(fit["verdict"] != "ok" for fit in found["fits"])
+        (log.warning if doubtful else log.info)(calibration.summary(found))
+
+
+def calibration_specs(session: Session) -> list[TrialSpec]:
+    """Short trials that measure the model's activations per sample, per engine of the grid, at three
+    sizes (ray_zero/measure/calibration.py): they run first, in the grid's own Tuner, and share GPUs
+    like any other trial; calibration.json then predicts every row."""
     points = calibration.calibration_points(
         session.experiment, session.model, session.plan.precision, session.plan.use_gpu
     )
     probe = calibration.probe_experiment(session.experiment)
-    specs = [dataclasses.replace(session.spec(p, probe), label="calibration") for p in points]
-    log.info(f"calibrating activations: {len(specs)} trials ({', '.join(s.name for s in specs)})")
-    session.tuner(
-        {"trial": tune.grid_search([trial_config(s) for s in specs])}, total, tune_name="tune-calibration"
-    ).fit()
-    names = {s.name for s in specs}
-    rows = [row for row in load_trials(session.output_dir) if row["trial"] in names]
-    found = calibration.write_calibration(
-        session.output_dir, session.experiment, rows, session.plan.use_gpu, session.plan.precision
+    return [dataclasses.replace(session.spec(p, probe), label="calibration") for p in points]
+
+
+def shared(session: Session, specs: list[TrialSpec]) -> tuple[list[TrialSpec], Optional[Sharing]]:
+    """The specs with their share of a GPU (ray_zero/run/gpu_sharing.py): on GPUs whose memory is known,
+    unless runtime.share_gpus is off."""
+    plan, runtime, gpu_gib = session.plan, session.experiment.runtime, session.cluster.gpu_memory_gib
+    if not (plan.use_gpu and runtime.share_gpus and gpu_gib):
+        return specs, None
+    found = read_calibration(session.output_dir)
+    saved = session.model.saved_bytes_per_sample
+    sharing = gpu_shares(
+        {s.name: memory_need(trial_row(s), found, saved) for s in specs},
+        {s.name: s.point.num_workers for s in specs},
+        gpu_gib * GIB,
+        session.cluster.gpus,
+        runtime.max_trials_per_gpu,
     )
-    doubtful = any(fit["verdict"] != "ok" for fit in found["fits"])
-    (log.warning if doubtful else log.info)(calibration.summary(found))
-    return found
+    return [dataclasses.replace(s, gpu_share=sharing.shares[s.name]) for s in specs], sharing
 
 
 def run_sweep(
@@ -74,23 +106,39 @@ def run_sweep(
         plan = session.plan
         if not resume:
             session.record_skipped()
-        early = f" (+{plan.started_early} starting early)" if plan.started_early else ""
+        # A folder of an earlier version calibrated in a Tuner of its own, before the grid's.
+        calibrated_apart = resume and storage_has(session.storage, "tune-calibration")
+        calibrating = (
+            calibration_specs(session)
+            if calibration.wanted(session.experiment, plan.use_gpu) and not calibrated_apart
+            else []
+        )
+        specs, sharing = shared(session, calibrating + [session.spec(p) for p in plan.runnable])
+        if sharing is not None:
+            at_once = sharing.describe(session.cluster.gpus)
+        else:
+            early = f" (+{plan.started_early} starting early)" if plan.started_early else ""
+            device = "GPU" if plan.use_gpu else "CPU"
+            at_once = f"up to {plan.max_concurrent_trials} at once{early} on {device}"
+        if not resume:
+            session.record_scheduling(at_once)
         log.info(
-            f"{len(plan.runnable)} trials ({len(plan.skipped)} skipped), up to "
-            f"{plan.max_concurrent_trials} at once{early} on {'GPU' if plan.use_gpu else 'CPU'}, "
+            f"{len(plan.runnable)} trials ({len(plan.skipped)} skipped"
+            f"{f', {len(calibrating)} calibrating activations first' if calibrating else ''}), {at_once}, "
             f"{plan.precision}; results in {session.output_dir}"
         )
-        total = len(plan.runnable) + len(plan.skipped)
-        if calibration.wanted(session.experiment, plan.use_gpu):
-            total += len(
-                calibration.calibration_points(
-                    session.experiment, session.model, plan.precision, plan.use_gpu
-                )
-            )
-            if not resume:
-                calibrate(session, total)
-        specs = [session.spec(p) for p in plan.runnable]
-        session.tuner({"trial": tune.grid_search([trial_config(spec) for spec in specs])}, total).fit()
+        total = len(specs) + len(plan.skipped) + (
+            len(calibration_specs(session)) if calibrated_apart else 0
+        )
+        drivers = None
+        if sharing is not None:  # one driver more than can hold GPUs: the next is ready when one ends
+            drivers = min(sharing.at_once + 1, session.experiment.runtime.max_concurrent_trials or 10**6)
+        session.tuner(
+            {"trial": tune.grid_search([trial_config(spec) for spec in specs])},
+            total,
+            max_concurrent=drivers,
+            on_row=CalibrationRecorder(session, {s.name for s in calibrating}),
+        ).fit()
         frame = session.finish()
         if len(frame) < total:  # Tune stops early on Ctrl-C or SIGTERM, after saving its state
             raise SweepIncomplete(len(frame), total)

@@ -9,6 +9,7 @@ which also counts each rank's attempts. Public Ray API only.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import defaultdict
@@ -173,7 +174,9 @@ def torch_trainer(
 ) -> TorchTrainer:
     """The TorchTrainer of one run: the point's workers, every rank's reports to the trial log."""
     experiment, point = spec.experiment, spec.point
-    resources = {"CPU": experiment.runtime.cpus_per_worker, **({"GPU": 1} if spec.use_gpu else {})}
+    # A share of a GPU under 1: the trial starts beside others on one GPU (ray_zero/run/gpu_sharing.py).
+    gpus = {"GPU": spec.gpu_share} if spec.use_gpu else {}
+    resources = {"CPU": experiment.runtime.cpus_per_worker, **gpus}
     return TorchTrainer(
         loop,
         train_loop_config=loop_config,
@@ -197,28 +200,35 @@ def torch_trainer(
 
 
 def run_trial(config: dict[str, Any]) -> None:
-    """Tune function trainable: run one grid point as a TorchTrainer and report its row to Tune."""
+    """Tune function trainable: run one grid point as a TorchTrainer and report its row to Tune. A trial
+    that runs out of memory on a GPU it shares with other trials runs again alone before its row says
+    so: the other trials' memory, not its own, may have been the cause."""
     spec: TrialSpec = config["trial"]["spec"]
     train_environment(spec)
     context = tune.get_context()
     trial_key = spec.name + context.get_trial_id()
     log = ray.get_actor(config["log_name"])
-    trainer = torch_trainer(
-        train_loop,
-        {"spec": spec, "log": log, "trial_id": context.get_trial_id()},
-        spec,
-        context.get_trial_id(),
-        log,
-        trial_key,
-        spec.experiment.runtime.max_failures,
-    )
     row = trial_row(spec)
     fit_started_at = time.time()
-    try:
-        trainer.fit()
-        row["status"] = "ok"
-    except TrainingFailedError as error:
-        row.update(failure_fields(error))
+    for alone in (False, True):
+        run_spec = dataclasses.replace(spec, gpu_share=1.0) if alone else spec
+        trainer = torch_trainer(
+            train_loop,
+            {"spec": run_spec, "log": log, "trial_id": context.get_trial_id()},
+            run_spec,
+            context.get_trial_id() + ("-alone" if alone else ""),
+            log,
+            trial_key,
+            spec.experiment.runtime.max_failures,
+        )
+        try:
+            trainer.fit()
+            row.update(status="ok", error=None)
+        except TrainingFailedError as error:
+            row.update(failure_fields(error))
+        if row["status"] != "oom" or run_spec.gpu_share >= 1.0:
+            break
+        row["oom_while_sharing"] = row["error"]  # and the trial runs again, alone
     fit_finished_at = time.time()
     reports, attempts = ray.get(log.take.remote(trial_key))
     row["attempts"] = attempts

@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from ray_zero.config import TrialSpec
 from ray_zero.measure.meter import Meter, SavedForBackward, peak_tflops
@@ -23,6 +24,7 @@ from ray_zero.models.spec import ModelSpec, batch_bytes, cast_floating
 from ray_zero.train.data import mnist_shard, synthetic_batches
 from ray_zero.train.engines import build_engine
 from ray_zero.train.settings import EngineSettings
+from ray_zero.train.turn import MeasurementTurn, gpu_turn
 
 ProgressFn = Callable[[int, dict[str, float]], None]
 # Live figures go to the caller at most this often: Ray exports gauges every 10 s, and each update costs
@@ -80,9 +82,12 @@ def train(
     on_progress: Optional[ProgressFn] = None,
     diagnostics=None,
     model: Optional[ModelSpec] = None,
+    turn: Optional[MeasurementTurn] = None,
 ) -> dict[str, Any]:
     """Train one rank of one trial and return this rank's measurements (a flat dict). `model`: the model
-    to train, already built (fit's probes reuse one); by default the rank builds the experiment's."""
+    to train, already built (fit's probes reuse one); by default the rank builds the experiment's, on its
+    device. `turn`: the device's measurement turn, taken before the first warm-up step and handed on once
+    the engine has let go of its memory (default: the GPU's, ray_zero/train/turn.py; none on CPU)."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_ops_dir())
     if device.type == "cpu":
         # `import deepspeed` sets PYTORCH_NVML_BASED_CUDA_CHECK=1; without a GPU torch's optimizers then
@@ -92,6 +97,7 @@ def train(
         torch.cuda.set_device(device)
     meter = Meter(device)
     run = _Run(spec, rank, world_size, device, attempt, meter, on_progress, diagnostics, model)
+    run.turn = turn or gpu_turn(device)
     try:
         return run.train()
     except torch.cuda.OutOfMemoryError as error:
@@ -118,6 +124,7 @@ class _Run:
             diagnostics,
         )
         self.phase = "start"
+        self.turn: Optional[MeasurementTurn] = None
         self.timings: dict[str, float] = {}
         self._since = time.perf_counter()
 
@@ -139,13 +146,16 @@ class _Run:
         self.phase = "model build"
         model, self.model = self.model, None  # the run keeps no reference: a torn-down probe frees it all
         if model is None:
-            model = build_model_spec(
-                experiment.model,
-                experiment.model_options,
-                experiment.seq_len,
-                experiment.input_shape,
-                experiment.num_classes,
-            )
+            # Built where it trains: a GPU initialises the weights in a fraction of the host's time, and
+            # nothing is copied (the same shapes and initialisation; the device's random stream).
+            with torch.device(self.device):
+                model = build_model_spec(
+                    experiment.model,
+                    experiment.model_options,
+                    experiment.seq_len,
+                    experiment.input_shape,
+                    experiment.num_classes,
+                )
         model.module.to(self.device)
         self._done("model_build", "model")
 
@@ -183,11 +193,31 @@ class _Run:
         engine = build_engine(model, EngineSettings.for_trial(spec, self.world_size), self.device)
         self._done("initialize", "initialize")
         try:
+            self._take_turn()
             return self._train(
                 engine, model, batches, total_steps, warmup, steps_per_epoch, data_bytes, data_source
             )
         finally:
             engine.close()
+            if self.turn is not None:
+                # What the trial no longer needs goes back before the next trial's warm-up: only its
+                # resident bytes stay until its process ends (ray_zero/run/gpu_sharing.py's rule).
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self.turn.release()
+
+    def _take_turn(self) -> None:
+        """Wait for the device's measurement turn, holding only what is in use; then all ranks start
+        their warm-up together."""
+        if self.turn is None:
+            return
+        self.phase = "waiting for the GPU's turn"
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.turn.acquire()
+        if self.world_size > 1:
+            dist.barrier()
+        self._done("turn_wait")
 
     def _train(self, engine, model, batches, total_steps, warmup, steps_per_epoch, data_bytes, data_source):
         """The training loop of an engine that is set up; the rank's result."""
@@ -202,6 +232,9 @@ class _Run:
         samples_per_step = micro * accum
         published_at = float("-inf")
         states: dict[str, int] = {}
+        # Wall-clock bounds of what this rank measures (warm-up to the last timed step): trials that share
+        # a device must never overlap there (their turns, ray_zero/train/turn.py).
+        self.timings["measuring_from"] = time.time()
         for step in range(total_steps):
             self.phase = f"step {step}"
             if step == warmup:
@@ -252,6 +285,7 @@ class _Run:
                     )
         timed_steps = total_steps - warmup
         self.meter.stop_timing(timed_steps, samples_per_step)
+        self.timings["measuring_until"] = time.time()
         if self.diagnostics:
             self.diagnostics.stop_timed()
         self.phase = "finish"
@@ -290,6 +324,10 @@ class _Run:
             "rank": self.rank,
             "attempt": self.attempt,
             "device_name": device_name,
+            # Which GPU: trials that share one take turns on it (ray_zero/train/turn.py).
+            "device_uuid": str(torch.cuda.get_device_properties(self.device).uuid)
+            if self.device.type == "cuda"
+            else None,
             "steps": total_steps,
             "loss_first": loss_first,
             "loss_last": loss_last,

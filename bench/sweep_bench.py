@@ -1,0 +1,189 @@
+"""A sweep with trials side by side on a GPU against one trial per GPU at a time: same experiment, same
+machine, alternating.
+
+    python bench/sweep_bench.py experiments/gpt2_zero.yaml --old /tmp/sweep_old --pairs 2 --output OUT
+    python bench/sweep_bench.py experiments/quick.yaml --pairs 3 --output OUT        # CPU: the same code
+    python bench/sweep_bench.py --summarize --output OUT                              # the table again
+
+Each run is `python -m ray_zero sweep EXPERIMENT --output DIR` in a fresh process, as a user runs it,
+timed from process start to exit. "old" is the checkout --old (e.g. `git worktree add /tmp/sweep_old
+HEAD~1`: today's scheduling as it was) or, without --old, this checkout with
+`--set runtime.share_gpus=false` (one trial per GPU, +1 starting early); "new" is this checkout as it
+is. Which goes first alternates from pair to pair (the machines' speed drifts); a later call with the
+same --output adds pairs. Printed, and written to OUT/sweep_bench.md: each run's wall time, the ratios
+of the pairs, per point (calibration included) each side's status, peak allocated (GiB, median over its
+runs), their difference, samples/s (median) and their ratio, and how many measuring windows of two
+trials on one GPU overlapped in the new runs (none should: ray_zero/train/turn.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ray_zero.report.frame import markdown_table  # noqa: E402
+from ray_zero.store import load_trials, read_provenance  # noqa: E402
+
+PROVENANCE = ("date", "python", "torch", "deepspeed", "ray", "driver_gpus", "cpu")
+WALLS = "walls.jsonl"
+"""One line per run: its pair, side and wall time (a later call adds pairs to the same folder)."""
+PEAK_TOLERANCE = (0.005, 32 / 1024)
+"""Peaks agree within 0.5 % or 32 MiB (GiB), whichever is larger (issue 41's rule)."""
+
+
+def run_sweep(code: Path, experiment: Path, output: Path, overrides: list[str]) -> float:
+    """One `python -m ray_zero sweep` from the checkout `code`; its wall time in seconds."""
+    command = [sys.executable, "-m", "ray_zero", "sweep", str(experiment), "--output", str(output)]
+    for override in overrides:
+        command += ["--set", override]
+    # That checkout on PYTHONPATH in place of this one (scripts/gpu-env.sh puts this one there), or Ray's
+    # workers of the other sweep would import this checkout's ray_zero.
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [str(code) if p == str(ROOT) else p for p in paths] or [str(code)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=code, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    (output.parent / f"{output.name}.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        print(f"{output.name}: exit {done.returncode}; see {output.parent / (output.name + '.log')}")
+    return wall
+
+
+def _rows(folder: Path) -> dict[str, dict]:
+    return {row["trial"]: row for row in load_trials(folder)} if folder.is_dir() else {}
+
+
+def _median(values: list[Optional[float]]) -> Optional[float]:
+    values = [v for v in values if isinstance(v, (int, float)) and v == v]
+    return statistics.median(values) if values else None
+
+
+def compare(runs: dict[str, list[Path]]) -> pd.DataFrame:
+    """Per point: status, peak and samples/s of each side (medians over its runs), and how they agree."""
+    rows = {side: [_rows(folder) for folder in folders] for side, folders in runs.items()}
+    names = sorted({name for side in rows.values() for run in side for name in run})
+    table = []
+    for name in names:
+        entry: dict = {"trial": name}
+        for side in ("old", "new"):
+            mine = [run[name] for run in rows[side] if name in run]
+            entry[f"status_{side}"] = "/".join(sorted({r["status"] for r in mine})) or "-"
+            entry[f"peak_gib_{side}"] = _median([r.get("peak_allocated_gib_max") for r in mine])
+            entry[f"samples_per_s_{side}"] = _median([r.get("samples_per_s") for r in mine])
+        old, new = entry["peak_gib_old"], entry["peak_gib_new"]
+        if old is not None and new is not None:
+            entry["peak_diff_gib"] = new - old
+            entry["peak_agrees"] = abs(new - old) <= max(PEAK_TOLERANCE[0] * old, PEAK_TOLERANCE[1])
+        old, new = entry["samples_per_s_old"], entry["samples_per_s_new"]
+        entry["samples_per_s_ratio"] = new / old if old and new else None
+        table.append(entry)
+    return pd.DataFrame(table)
+
+
+def summary(output: Path, command: str, old_label: str) -> str:
+    """The comparison of every run recorded in `output` (walls.jsonl and the run folders)."""
+    walls = [json.loads(line) for line in (output / WALLS).read_text().splitlines() if line.strip()]
+    pairs: dict[int, dict] = {}
+    for run in walls:
+        entry = pairs.setdefault(run["pair"], {"pair": run["pair"], "first": run["side"]})
+        entry[f"{run['side']}_wall_s"] = run["wall_s"]
+    for entry in pairs.values():
+        if "old_wall_s" in entry and "new_wall_s" in entry:
+            entry["ratio"] = round(entry["new_wall_s"] / entry["old_wall_s"], 3)
+    walls_frame = pd.DataFrame(sorted(pairs.values(), key=lambda e: e["pair"]))
+    runs = {side: sorted(output.glob(f"{side}-*/")) for side in ("old", "new")}
+    points = compare(runs)
+    provenance = next((read_provenance(f) for f in runs["new"] if read_provenance(f)), None) or {}
+    ratios = points["samples_per_s_ratio"].dropna() if len(points) else pd.Series(dtype=float)
+    agree = points["peak_agrees"].dropna() if "peak_agrees" in points else pd.Series(dtype=bool)
+    overlaps = sum(len(measuring_overlaps(folder)) for folder in runs["new"])
+    wall_ratios = walls_frame["ratio"].dropna() if "ratio" in walls_frame else pd.Series(dtype=float)
+    lines = [
+        f"# sweep_bench: {output.name}",
+        "",
+        "- " + ", ".join(f"{k}: {provenance[k]}" for k in PROVENANCE if k in provenance),
+        f"- command: {command}",
+        f"- old: {old_label}",
+        "",
+        markdown_table(walls_frame, list(walls_frame.columns)),
+        "",
+        "Wall time, new over old: "
+        + (f"median {wall_ratios.median():.3f} of {len(wall_ratios)} pairs" if len(wall_ratios) else "-"),
+        "",
+        markdown_table(points, list(points.columns)) if len(points) else "(no rows)",
+        "",
+        f"Peaks within 0.5 % or 32 MiB: {int(agree.sum())} of {len(agree)} points; samples/s new over old: "
+        + (f"median {ratios.median():.3f} ({ratios.min():.3f}-{ratios.max():.3f})" if len(ratios) else "-")
+        + f"; measuring windows of two trials on one GPU that overlap, in the new runs: {overlaps}",
+    ]
+    return "\n".join(lines)
+
+
+def measuring_overlaps(folder: Path) -> list[tuple[str, str]]:
+    """Pairs of trials of one run whose ranks measured at once on one GPU (per_rank's measuring_from and
+    measuring_until, by the rank's device): what the measurement turn forbids."""
+    windows = []
+    for row in load_trials(folder):
+        for rank in row.get("per_rank") or []:
+            if rank.get("measuring_from") and rank.get("memory_kind") == "cuda":
+                device = (rank.get("node_id"), rank.get("device_uuid"))
+                windows.append((device, rank["measuring_from"], rank["measuring_until"], row["trial"]))
+    clashes = []
+    for i, (device, start, end, trial) in enumerate(windows):
+        for other_device, other_start, other_end, other in windows[i + 1 :]:
+            if device == other_device and trial != other and start < other_end and other_start < end:
+                clashes.append((trial, other))
+    return clashes
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("experiment", type=Path, nargs="?")
+    parser.add_argument("--old", type=Path, help="a checkout of the scheduling to compare against")
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument(
+        "--summarize", action="store_true", help="no runs: the comparison of those in --output"
+    )
+    args = parser.parse_args(argv)
+    output = args.output.resolve()
+    output.mkdir(parents=True, exist_ok=True)
+    old_label = f"the checkout {args.old}" if args.old else "this checkout, runtime.share_gpus=false"
+    command = "python bench/sweep_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if not args.summarize:
+        experiment = args.experiment.resolve()
+        old_code = args.old.resolve() if args.old else ROOT
+        old_overrides = args.overrides + ([] if args.old else ["runtime.share_gpus=false"])
+        sides = {"old": (old_code, old_overrides), "new": (ROOT, args.overrides)}
+        recorded = output / WALLS
+        done = [json.loads(line) for line in recorded.read_text().splitlines()] if recorded.is_file() else []
+        first_pair = max((run["pair"] for run in done), default=0) + 1
+        for pair in range(first_pair, first_pair + args.pairs):  # a later call goes on numbering
+            for side in ("old", "new") if pair % 2 else ("new", "old"):
+                code, overrides = sides[side]
+                wall = run_sweep(code, experiment, output / f"{side}-{pair}", overrides)
+                with open(recorded, "a") as record:
+                    record.write(json.dumps({"pair": pair, "side": side, "wall_s": round(wall, 1)}) + "\n")
+                print(f"pair {pair}: {side} {wall:.1f} s", flush=True)
+    text = summary(output, command, old_label)
+    (output / "sweep_bench.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
