@@ -127,26 +127,32 @@ def summary(output: Path, command: str, old_label: str) -> str:
         "",
         f"Peaks within 0.5 % or 32 MiB: {int(agree.sum())} of {len(agree)} points; samples/s new over old: "
         + (f"median {ratios.median():.3f} ({ratios.min():.3f}-{ratios.max():.3f})" if len(ratios) else "-")
-        + f"; measuring windows of two trials on one GPU that overlap, in the new runs: {overlaps}",
+        + f"; trials that measured while another measured or set up on their GPU, in the new runs: {overlaps}",
     ]
     return "\n".join(lines)
 
 
 def measuring_overlaps(folder: Path) -> list[tuple[str, str]]:
-    """Pairs of trials of one run whose ranks measured at once on one GPU (per_rank's measuring_from and
-    measuring_until, by the rank's device): what the measurement turn forbids."""
-    windows = []
+    """Pairs of trials of one run where one measured on a GPU while the other measured or set up on it
+    (per_rank's measuring_from/until and set_up_from/until, by the rank's device): what the
+    measurement turn forbids."""
+    measuring, busy = [], []
     for row in load_trials(folder):
         for rank in row.get("per_rank") or []:
             if rank.get("measuring_from") and rank.get("memory_kind") == "cuda":
                 device = (rank.get("node_id"), rank.get("device_uuid"))
-                windows.append((device, rank["measuring_from"], rank["measuring_until"], row["trial"]))
-    clashes = []
-    for i, (device, start, end, trial) in enumerate(windows):
-        for other_device, other_start, other_end, other in windows[i + 1 :]:
-            if device == other_device and trial != other and start < other_end and other_start < end:
-                clashes.append((trial, other))
-    return clashes
+                measuring.append((device, rank["measuring_from"], rank["measuring_until"], row["trial"]))
+                busy.append((device, rank["measuring_from"], rank["measuring_until"], row["trial"]))
+                if rank.get("set_up_from"):
+                    busy.append((device, rank["set_up_from"], rank["set_up_until"], row["trial"]))
+    return sorted(
+        {
+            (trial, other)
+            for device, start, end, trial in measuring
+            for other_device, other_start, other_end, other in busy
+            if device == other_device and trial != other and start < other_end and other_start < end
+        }
+    )
 
 
 def main(argv=None) -> int:

@@ -142,9 +142,10 @@ def train_in_turns(rank: int, world_size: int, spec, folder: str, keys: list[str
     return train_rank(rank, world_size, spec, turn=MeasurementTurn(keys[rank], Path(folder)))
 
 
-def test_ranks_wait_for_the_turn_before_warm_up_and_trials_never_measure_at_once(ranks, tmp_path):
+def test_no_trial_sets_up_or_measures_while_another_measures_on_its_device(ranks, tmp_path):
     """Two trials on device "a" (a 1-rank trial; a 2-rank trial whose other rank has device "b"), while
-    the test holds a's turn: each waits before its warm-up, and their measuring windows do not overlap."""
+    the test measures on "a": both wait before setting up there; then they set up side by side and
+    measure one after the other, neither setting up while the other measures."""
     experiment = experiment_of(ROOT / "experiments" / "quick.yaml", "steps=6")
     held = MeasurementTurn("a", tmp_path)
     held.acquire()
@@ -154,26 +155,27 @@ def test_ranks_wait_for_the_turn_before_warm_up_and_trials_never_measure_at_once
         two.submit(
             train_in_turns, trial_spec(experiment, Point("deepspeed", 1, 64, 2)), str(tmp_path), ["a", "b"]
         )
-        # Hand the turn on once both trials queue for it (the kernel lists blocked flocks in /proc/locks).
+        # Go on once both ranks on "a" wait to set up (the kernel lists blocked flocks in /proc/locks).
+        setup = tmp_path / "a.setup"
         deadline = time.monotonic() + 120
-        while _waiting_on(held.path) < 2 and time.monotonic() < deadline:
+        while _waiting_on(setup) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _waiting_on(held.path) == 2
+        assert _waiting_on(setup) == 2
     finally:
         released_at = time.time()
         held.release()
-    reports = one.results() + two.results()
-    windows = sorted((r["measuring_from"], r["measuring_until"]) for r in reports)
-    assert all(start >= released_at for start, _ in windows)
-    # One trial after the other (the 2-rank trial's ranks start together, after its barrier).
+    single, pair = one.results(), two.results()
+    on_a = [single[0], pair[0]]  # rank 1 of the pair is on device "b"
+    assert all(r["set_up_from"] >= released_at for r in on_a)
     trials = sorted(
         (min(r["measuring_from"] for r in mine), max(r["measuring_until"] for r in mine))
-        for mine in (reports[:1], reports[1:])
+        for mine in (single, pair)
     )
-    assert trials[0][1] <= trials[1][0], trials
-    assert all(r["turn_wait_s"] > 0.2 for r in reports)  # rank 1 of the pair waits at its barrier
-    # The wait is not part of the warm-up's time, and the turn is free again.
-    assert all(r["warmup_s"] < r["turn_wait_s"] for r in reports)
+    assert trials[0][1] <= trials[1][0], trials  # one after the other
+    for rank in on_a:  # no set-up on "a" while the other trial measures
+        other = trials[1] if rank["measuring_from"] < trials[1][0] else trials[0]
+        assert rank["set_up_until"] <= other[0] or rank["set_up_from"] >= other[1], (rank, other)
+    assert pair[1]["turn_wait_s"] > 0  # rank 1 waits at its trial's barrier for rank 0's turn
     free = MeasurementTurn("a", tmp_path)
     free.acquire()
     assert free.waited_s < 1

@@ -7,6 +7,7 @@ What the rank measures is in a `Meter` beside the loop (ray_zero/meter.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -139,6 +140,29 @@ class _Run:
             self.diagnostics.mark(phase)
 
     def train(self) -> dict[str, Any]:
+        # Set-up beside other trials' set-ups on this device, never while one of them measures.
+        with self.turn.setting_up() if self.turn is not None else contextlib.nullcontext():
+            self.timings["set_up_from"] = time.time()
+            engine, model, batches, total_steps, warmup, steps_per_epoch, data_bytes, data_source = (
+                self._set_up()
+            )
+            self.timings["set_up_until"] = time.time()
+        try:
+            self._take_turn()
+            return self._train(
+                engine, model, batches, total_steps, warmup, steps_per_epoch, data_bytes, data_source
+            )
+        finally:
+            engine.close()
+            if self.turn is not None:
+                # What the trial no longer needs goes back before the next trial's warm-up: only its
+                # resident bytes stay until its process ends (ray_zero/run/gpu_sharing.py's rule).
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self.turn.release()
+
+    def _set_up(self):
+        """Model, data and engine: what the rank does before it measures."""
         spec, experiment, point = self.spec, self.spec.experiment, self.spec.point
         micro, accum = point.micro_batch_size, experiment.gradient_accumulation_steps
         torch.manual_seed(experiment.seed)  # the same initial weights on every rank
@@ -192,19 +216,7 @@ class _Run:
         self.phase = "engine set-up"
         engine = build_engine(model, EngineSettings.for_trial(spec, self.world_size), self.device)
         self._done("initialize", "initialize")
-        try:
-            self._take_turn()
-            return self._train(
-                engine, model, batches, total_steps, warmup, steps_per_epoch, data_bytes, data_source
-            )
-        finally:
-            engine.close()
-            if self.turn is not None:
-                # What the trial no longer needs goes back before the next trial's warm-up: only its
-                # resident bytes stay until its process ends (ray_zero/run/gpu_sharing.py's rule).
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                self.turn.release()
+        return engine, model, batches, total_steps, warmup, steps_per_epoch, data_bytes, data_source
 
     def _take_turn(self) -> None:
         """Wait for the device's measurement turn, holding only what is in use; then all ranks start
