@@ -127,7 +127,7 @@ def summary(output: Path, command: str, old_label: str) -> str:
         "",
         f"Peaks within 0.5 % or 32 MiB: {int(agree.sum())} of {len(agree)} points; samples/s new over old: "
         + (f"median {ratios.median():.3f} ({ratios.min():.3f}-{ratios.max():.3f})" if len(ratios) else "-")
-        + f"; trials that measured while another measured or set up on their GPU, in the new runs: {overlaps}",
+        + f"; trials that measured while another measured or set up on their GPU (new runs): {overlaps}",
     ]
     return "\n".join(lines)
 
