@@ -76,13 +76,7 @@ def main() -> None:
     get_accelerator().set_device(local_rank)
     device = torch.device(get_accelerator().device_name(local_rank))
     torch.manual_seed(experiment.seed)  # the same initial weights as a ray_zero trial
-    spec = build_model_spec(
-        experiment.model,
-        experiment.model_options,
-        experiment.seq_len,
-        experiment.input_shape,
-        experiment.num_classes,
-    )
+    spec = build_model_spec(experiment.model_source())
     spec.module.to(device).train()
     engine, _, _, _ = deepspeed.initialize(
         args=args,

@@ -47,7 +47,8 @@ from ray_zero.run.sweep import run_sweep  # noqa: E402
 from ray_zero.store import atomic_write, load_trials, read_provenance  # noqa: E402
 
 # A trial's life as a chain of (phase, from mark, to mark). Marks are wall-clock times: each rank's
-# (ray_zero/diagnostics.py, taken inside ray_zero.train.worker.train under both launchers), the trial driver's
+# (ray_zero/measure/diagnostics.py, taken inside ray_zero.train.worker.train under both launchers), the
+# trial driver's
 # (fit_*), the sweep's (recorded_at, began_at) and, for bare runs, this process's (launched_at, exited_at).
 RANK_PHASES = [
     ("model build", "train_loop_started_at", "model_build_at"),
@@ -101,13 +102,7 @@ def only(experiment, **grid):
 
 def plan_and_model(experiment):
     """What a sweep on this whole machine would run (points, device, precision), and the model's figures."""
-    model = describe_model(
-        experiment.model,
-        experiment.model_options,
-        experiment.seq_len,
-        experiment.input_shape,
-        experiment.num_classes,
-    )
+    model = describe_model(experiment.model_source())
     return plan_sweep(experiment, local_cluster()), model
 
 

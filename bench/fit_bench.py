@@ -166,13 +166,7 @@ def against_exhaustive(args, experiment_path: Path) -> pd.DataFrame:
     rows = []
     for below, budget in midway_budgets(peaks, sizes):
         experiment = load_experiment(experiment_path, list(args.set))
-        model = describe_model(
-            experiment.model,
-            experiment.model_options,
-            experiment.seq_len,
-            experiment.input_shape,
-            experiment.num_classes,
-        )
+        model = describe_model(experiment.model_source())
         out = args.output / f"fit-{budget:.3f}"
         fit_started = time.time()
         run_fit(

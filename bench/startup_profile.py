@@ -165,13 +165,7 @@ def main() -> None:
             "with --set grid.KEY=[VALUE]"
         )
     point = plan.runnable[0]
-    model = describe_model(
-        experiment.model,
-        experiment.model_options,
-        experiment.seq_len,
-        experiment.input_shape,
-        experiment.num_classes,
-    )
+    model = describe_model(experiment.model_source())
     args.output.mkdir(parents=True, exist_ok=True)
     os.environ["PYTHONPROFILEIMPORTTIME"] = "1"  # inherited by torchrun's ranks and by Ray's processes
     lines = [

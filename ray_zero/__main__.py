@@ -8,6 +8,7 @@ python -m ray_zero fit experiments/gpt2_tiny_fit.yaml --budget-gib 3   # largest
 python -m ray_zero report runs/quick-20261129-120000             # tables, plots, report.html again
 python -m ray_zero estimate --model hf:gpt2 --workers 1,2,4,8    # the memory model alone
 python -m ray_zero keys                                          # every experiment key
+python -m ray_zero columns                                       # every column of the tables
 
 A thin layer over the Python API (ray_zero/api.py: ray_zero.sweep, ray_zero.fit, ray_zero.estimate).
 """
@@ -162,6 +163,7 @@ def _parser() -> argparse.ArgumentParser:
         help="a sweep's folder whose calibration.json gives the model's activations per sample",
     )
     commands.add_parser("keys", help="list every experiment key with its meaning and default")
+    commands.add_parser("columns", help="every column of the tables, its unit and meaning (docs/columns.md)")
     return parser
 
 
@@ -246,13 +248,19 @@ def _keys(_args) -> int:
     return 0
 
 
+def _columns(_args) -> int:
+    from ray_zero.schema.docs import columns_markdown
+
+    print(columns_markdown())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     verbose, quiet = getattr(args, "verbose", False), getattr(args, "quiet", False)
     log_to_console(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
-    handler = {"sweep": _run, "fit": _run, "report": _report, "estimate": _estimate, "keys": _keys}[
-        args.command
-    ]
+    handlers = {"sweep": _run, "fit": _run, "report": _report, "estimate": _estimate, "keys": _keys}
+    handler = {**handlers, "columns": _columns}[args.command]
     try:
         return handler(args)
     except ConfigError as error:

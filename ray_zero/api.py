@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -126,21 +127,26 @@ def describe(experiment: Experiment, address: Optional[str] = None, check_machin
     from ray_zero.run.plan import check_model_fits, local_cluster, plan_sweep
 
     def check(params: int) -> None:
-        if check_machine and not (address or os.environ.get("RAY_ADDRESS")):
+        if check_machine and checks_here(address):
             cluster = local_cluster()
             check_model_fits(experiment, params, cluster, plan_sweep(experiment, cluster))
 
     try:
         return describe_model(
-            experiment.model,
-            experiment.model_options,
-            experiment.seq_len,
-            experiment.input_shape,
-            experiment.num_classes,
+            experiment.model_source(),
             check_params=check,
         )
     except ModelError as error:
         raise ConfigError(f"model {experiment.model}: {error}") from None
+
+
+def checks_here(address: Optional[str]) -> bool:
+    """Whether the sweep will start a private Ray on this machine (no address, no RAY_ADDRESS, no Ray this
+    process already runs): then the model's fit is checked against this machine once, before Ray, and
+    the sweep's session does not check it again (run/session.py)."""
+    ray = sys.modules.get("ray")
+    running = ray is not None and hasattr(ray, "is_initialized") and ray.is_initialized()
+    return not (address or os.environ.get("RAY_ADDRESS") or running)
 
 
 def _use_cluster_token(address: Optional[str]) -> None:
@@ -201,6 +207,7 @@ def sweep(
         diagnostics=diagnostics,
         verbose=verbose,
         command=command,
+        fits_checked=checks_here(address),
     )
     return Results.read(output)
 
@@ -236,6 +243,7 @@ def fit(
         resume=resume is not None,
         verbose=verbose,
         command=command,
+        fits_checked=checks_here(address),
     )
     return FitResults.read(output)
 
@@ -260,7 +268,7 @@ def estimate(
     is_source = isinstance(model, str) and not model.endswith((".yaml", ".yml"))
     experiment = (
         validate_experiment(
-            {"steps": 1, "warmup_steps": 0}, [f"model={model}", *overrides], source="estimate"
+            {"steps": 2, "warmup_steps": 1}, [f"model={model}", *overrides], source="estimate"
         )
         if is_source
         else experiment_of(model, overrides)

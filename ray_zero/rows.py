@@ -1,5 +1,6 @@
-"""The results' schema and how a row is made: a trial's identity, all ranks' reports aggregated, the
-memory model's prediction beside them. Pure: no Ray, no torch, so `report` rebuilds tables anywhere.
+"""How a row is made: a trial's identity, all ranks' reports aggregated as the column registry says
+(ray_zero/schema/), the memory model's prediction beside them. Pure: no Ray, no torch, so `report`
+rebuilds tables anywhere.
 
 Three tiers: `COLUMNS` (results.csv, one row per trial, what a user reads), `PER_RANK_COLUMNS`
 (per_rank.csv, each rank's memory after each phase, model-state bytes, timings) and, only with
@@ -15,84 +16,20 @@ from typing import Any, Optional
 from ray_zero.measure import partitions
 from ray_zero.measure.memory_model import HELD_COLUMNS, predict_point
 from ray_zero.measure.prediction import GIB
+from ray_zero.schema import RANK, TRIAL
 
-COLUMNS = [
-    "trial",
-    "backend",
-    "stage",
-    "micro_batch_size",
-    "num_workers",
-    "activation_checkpointing",
-    "offload_optimizer",
-    "precision",
-    "model",
-    "params",
-    "dataset",
-    "steps",
-    "status",
-    "loss_first",
-    "loss_last",
-    "samples_per_s",
-    "samples_per_s_per_worker",
-    "mfu",
-    "peak_allocated_gib_max",
-    "peak_reserved_gib_max",
-    "memory_kind",
-    "optimizer_state_bytes_per_rank_max",
-    "measured_model_state_gib",
-    "predicted_model_state_gib",
-    "predicted_peak_gib",
-    "measured_over_predicted",
-    "prediction",
-    "wall_s",
-    "attempts",
-    "error",
-]
-"""results.csv, in this order. memory_kind says what the memory columns are: cuda (the CUDA allocator's
-peak, per rank) or cpu_rss (each worker process's peak resident set, Python, torch and Ray included)."""
-PER_RANK_COLUMNS = [
-    "trial",
-    "rank",
-    "attempt",
-    "node_id",
-    "device_name",
-    "device_memory_gib",
-    "memory_kind",
-    "memory_after_model_gib",
-    "memory_after_data_gib",
-    "memory_after_initialize_gib",
-    "memory_after_first_backward_gib",
-    "memory_after_first_step_gib",
-    "peak_allocated_gib",
-    "peak_reserved_gib",
-    "timed_peak_allocated_gib",
-    "nvml_used_gib",
-    "parameter_bytes",
-    "gradient_bytes",
-    "master_param_bytes",
-    "optimizer_state_bytes",
-    "other_optimizer_bytes",
-    "data_bytes",
-    "saved_for_backward_bytes",
-    "micro_batch_rise_bytes",
-    "loss_first",
-    "loss_last",
-    "loss_by_epoch",
-    "samples_per_s",
-    "window_samples_per_s_median",
-    "window_samples_per_s_p90",
-    "tflops",
-    "mfu",
-    "steps",
-    "timed_steps",
-    "model_build_s",
-    "data_load_s",
-    "initialize_s",
-    "turn_wait_s",
-    "warmup_s",
-    "timed_s",
-    "data_source",
-]
+
+def results_columns() -> list[str]:
+    """results.csv's columns, in order (ray_zero/schema/trial_columns.py; read at each call, so a column
+    renamed there is renamed here). memory_kind says what the memory columns are: cuda (the CUDA
+    allocator's peak, per rank) or cpu_rss (each worker process's peak resident set)."""
+    return TRIAL.names("results")
+
+
+def per_rank_columns() -> list[str]:
+    """per_rank.csv's columns, in order (ray_zero/schema/rank_columns.py)."""
+    return RANK.names("per_rank")
+
 SORT_KEYS = [
     "backend",
     "stage",
@@ -102,18 +39,8 @@ SORT_KEYS = [
     "num_workers",
 ]
 STATE_KEYS = ("parameter_bytes", "gradient_bytes", "master_param_bytes", "optimizer_state_bytes")
-# Per-rank figures kept as max and min over ranks (memory is never rank 0's alone).
-_MAX_MIN = (
-    "peak_allocated_gib",
-    "peak_reserved_gib",
-    "timed_peak_allocated_gib",
-    "nvml_used_gib",
-    *STATE_KEYS,
-    "other_optimizer_bytes",
-    "data_bytes",
-    "saved_for_backward_bytes",
-    "micro_batch_rise_bytes",
-)
+_LEAVE = object()
+"""An aggregate with nothing to say: the row keeps its own value (a rank out of memory reports none)."""
 
 
 def _numbers(per_rank: list[dict], key: str) -> list[float]:
@@ -126,39 +53,47 @@ def _numbers(per_rank: list[dict], key: str) -> list[float]:
     ]
 
 
-def _column(key: str) -> str:
-    return f"{key}_per_rank" if key.endswith("_bytes") else key
+def _fullest(per_rank: list[dict]) -> Optional[float]:
+    """The model states (GiB) of the rank that holds the most of them, among ranks that counted all four
+    kinds."""
+    totals = [sum(r[k] for k in STATE_KEYS) for r in per_rank if all(_numbers([r], k) for k in STATE_KEYS)]
+    return max(totals) / GIB if totals else None
+
+
+def _aggregate(how: str, key: str, per_rank: list[dict]) -> Any:
+    if how in ("first", "epochs"):
+        first = per_rank[0] if per_rank else {}
+        if how == "first":
+            return first[key] if key in first else _LEAVE
+        epochs = [r.get(key) or [] for r in per_rank]
+        if epochs and epochs[0] and all(len(e) == len(epochs[0]) for e in epochs):
+            return [round(sum(column) / len(column), 5) for column in zip(*epochs)]
+        return _LEAVE
+    if how == "fullest":
+        return _fullest(per_rank)
+    if how == "any":
+        flags = [r[key] for r in per_rank if isinstance(r.get(key), bool)]
+        return any(flags) if flags else None
+    values = _numbers(per_rank, key)
+    if not values or (how == "sum_all" and len(values) != len(per_rank)):
+        return None
+    if how in ("sum", "sum_all"):
+        return sum(values)
+    if how == "mean":
+        return sum(values) / len(values)
+    return min(values) if how == "min" else max(values)  # max, slowest
 
 
 def aggregate_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """Max and min over ranks for memory, sum over ranks for throughput, mean over ranks for loss."""
+    """Every trial column made from the ranks' reports, as the registry says (`how` of `of`): max and
+    min over ranks for memory, sum over ranks for throughput, mean for loss, the slowest rank's times,
+    the fullest rank's model states."""
     row: dict[str, Any] = {}
-    for key in _MAX_MIN:
-        values = _numbers(per_rank, key)
-        row[f"{_column(key)}_max"] = max(values) if values else None
-        row[f"{_column(key)}_min"] = min(values) if values else None
-    rates = _numbers(per_rank, "samples_per_s")
-    row["samples_per_s"] = sum(rates) if rates else None
-    row["samples_per_s_per_worker"] = sum(rates) / len(rates) if rates else None
-    for key in ("window_samples_per_s_median", "window_samples_per_s_p90"):
-        values = _numbers(per_rank, key)
-        row[key] = sum(values) if values and len(values) == len(per_rank) else None
-    for key in ("loss_first", "loss_last", "tflops", "mfu"):
-        values = _numbers(per_rank, key)
-        row[key if key.startswith("loss") or key == "mfu" else "tflops_per_worker"] = (
-            sum(values) / len(values) if values else None
-        )
-    epochs = [r.get("loss_by_epoch") or [] for r in per_rank]
-    if epochs and epochs[0] and all(len(e) == len(epochs[0]) for e in epochs):
-        row["loss_by_epoch"] = [round(sum(column) / len(column), 5) for column in zip(*epochs)]
-    first = per_rank[0] if per_rank else {}
-    for key in ("steps", "timed_steps", "memory_kind", "data_source", "device_name", "device_memory_gib"):
-        if key in first:  # a rank out of memory reports none: the trial's row keeps its own memory_kind
-            row[key] = first[key]
-    for key in ("model_build_s", "data_load_s", "initialize_s", "turn_wait_s", "warmup_s", "timed_s"):
-        # the slowest rank
-        values = _numbers(per_rank, key)
-        row[key] = max(values) if values else None
+    for column in TRIAL.columns:
+        if column.how:
+            value = _aggregate(column.how, column.of, per_rank)
+            if value is not _LEAVE:
+                row[column.name] = value
     return row
 
 
@@ -167,12 +102,7 @@ def trial_row(spec) -> dict[str, Any]:
     experiment, point = spec.experiment, spec.point
     return {
         "trial": spec.name,
-        "backend": point.backend,
-        "stage": point.stage,
-        "micro_batch_size": point.micro_batch_size,
-        "num_workers": point.num_workers,
-        "activation_checkpointing": point.activation_checkpointing,
-        "offload_optimizer": point.offload_optimizer,
+        **point.fields(),
         "precision": spec.precision,
         "model": experiment.model,
         "params": spec.model.params,
@@ -191,7 +121,7 @@ def trial_row(spec) -> dict[str, Any]:
 
 def _held(model, point) -> dict[str, Any]:
     """What the point's engine leaves on its fullest rank, in elements, from the parameters' shapes
-    (ray_zero/partitions.py); nothing for a description without shapes (earlier versions)."""
+    (ray_zero/measure/partitions.py); nothing for a description without shapes (earlier versions)."""
     if not (getattr(model, "trainable_param_shapes", ()) or getattr(model, "frozen_param_shapes", ())):
         return {}
     held = partitions.held(
@@ -256,17 +186,15 @@ def finish_row(row: dict[str, Any], calibration: Optional[dict] = None) -> dict[
     row["predicted_model_state_gib"] = prediction.model_state_bytes / GIB
     row["predicted_peak_gib"] = prediction.peak_bytes / GIB if prediction.peak_bytes is not None else None
     row["prediction"] = prediction.basis
-    measured = [row.get(f"{key}_per_rank_max") for key in STATE_KEYS]
-    if all(isinstance(v, (int, float)) for v in measured):
-        row["measured_model_state_gib"] = sum(measured) / GIB
     peak, predicted = row.get("peak_allocated_gib_max"), row.get("predicted_peak_gib")
     # Only a finished trial reached its peak (an oom row holds the memory at the failure), and on CPU the
     # peak is the resident set (Python, torch and Ray included): no like-for-like ratio for those.
     row["measured_over_predicted"] = None
     if row.get("status") == "ok" and row.get("memory_kind") == "cuda" and peak and predicted:
         row["measured_over_predicted"] = peak / predicted
-    return {column: row.get(column) for column in COLUMNS} | {
-        k: v for k, v in row.items() if k not in COLUMNS
+    columns = results_columns()
+    return {column: row.get(column) for column in columns} | {
+        k: v for k, v in row.items() if k not in columns
     }
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from ray_zero.schema import trial_record
+
 EXPERIMENT_FILE = "experiment.yaml"
 TRIALS_FILE = "trials.jsonl"
 PUBLISHED = (
@@ -49,6 +51,8 @@ def atomic_write(path: Path, text: str) -> None:
 
 
 def append_trial(output_dir: Path, row: dict[str, Any]) -> None:
+    """Append `row` to trials.jsonl, once it is checked against the column registry (RecordError if not)."""
+    trial_record(row)
     with open(output_dir / TRIALS_FILE, "a") as record:
         record.write(json.dumps(row, default=str) + "\n")
         record.flush()

@@ -140,13 +140,7 @@ def run_one(path: str, precision: str, output: Path, overrides: list[str], comma
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     experiment = load_experiment(path, [*overrides, f"precision={precision}"]).with_absolute_paths()
-    model = describe_model(
-        experiment.model,
-        experiment.model_options,
-        experiment.seq_len,
-        experiment.input_shape,
-        experiment.num_classes,
-    )
+    model = describe_model(experiment.model_source())
     cluster = Cluster(gpus=1 if on_gpu else 0, cpus=os.cpu_count() or 1, source="this process")
     plan = plan_sweep(experiment, cluster)
     output.mkdir(parents=True, exist_ok=True)
@@ -167,13 +161,7 @@ def run_one(path: str, precision: str, output: Path, overrides: list[str], comma
         return TrialSpec(length, point, plan.precision, on_gpu, model, str(output), label=label)
 
     torch.manual_seed(experiment.seed)
-    pristine = build_model_spec(
-        experiment.model,
-        experiment.model_options,
-        experiment.seq_len,
-        experiment.input_shape,
-        experiment.num_classes,
-    )
+    pristine = build_model_spec(experiment.model_source())
     baseline = _release(device)
     probe = calibration.probe_experiment(experiment)
     # torch_zero last among the points and among the calibrations: on an H200, DDP left up to 4 bytes per

@@ -46,23 +46,9 @@ def experiment_of(path: str | os.PathLike, *overrides: str) -> Experiment:
 
 def describe(experiment: Experiment) -> ModelInfo:
     """The driver's description of the experiment's model (meta device), once per model."""
-    key = repr(
-        (
-            experiment.model,
-            experiment.model_options,
-            experiment.seq_len,
-            experiment.input_shape,
-            experiment.num_classes,
-        )
-    )
+    key = repr(experiment.model_source())
     if key not in _DESCRIBED:
-        _DESCRIBED[key] = describe_model(
-            experiment.model,
-            experiment.model_options,
-            experiment.seq_len,
-            experiment.input_shape,
-            experiment.num_classes,
-        )
+        _DESCRIBED[key] = describe_model(experiment.model_source())
     return _DESCRIBED[key]
 
 

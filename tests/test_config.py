@@ -85,6 +85,7 @@ def test_grid_points_are_the_cartesian_product():
         ({"steps": 5, "device": "cpu", "precision": "fp16"}, "precision fp16 needs a GPU"),
         ({}, "set exactly one of epochs or steps"),
         ({"steps": 2, "warmup_steps": 2}, "warmup_steps (2) must be less than steps (2)"),
+        ({"steps": 2, "warmup_steps": 0}, "warmup_steps: should be greater than or equal to 1, got 0"),
         ({"steps": 5, "grid": {"backend": "torch_zero", "stage": [3]}}, "torch_zero has stages 0, 1, not 3"),
         ({"steps": 5, "grid": {"backend": "fsdp", "stage": [1, 2]}}, "fsdp has stages 2, 3, not 1"),
         (

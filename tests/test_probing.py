@@ -1,4 +1,4 @@
-"""fit's in-process probing at rank level (ray_zero/probing.py), no Ray: one search's probes one after
+"""fit's in-process probing at rank level (ray_zero/train/probing.py), no Ray: one search's probes one after
 another in one process, each a fresh engine torn down before the next.
 
 The main case runs in a process of its own (its first training is what a fresh run's rank does), in a

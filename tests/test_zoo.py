@@ -170,9 +170,10 @@ def test_what_each_rank_holds_is_the_memory_models(zoo, monkeypatch):
     """Every engine, stage, family and precision: parameters, gradients and master copies to the byte;
     optimizer states to the byte plus Adam's step counters (4 bytes per tensor each rank steps), which the
     model leaves out (torch keeps them on the host when it trains on a GPU). The model computes what the
-    engines do tensor by tensor (ray_zero/partitions.py): DeepSpeed's padding and the whole tensors its
-    ZeRO-1/2 gradient buffer keeps, ZeRO-3's persistent small parameters, ZeroRedundancyOptimizer's
-    whole-tensor split, FSDP2's padded first dimension, frozen parameters without gradients or states."""
+    engines do tensor by tensor (ray_zero/measure/partitions.py): DeepSpeed's padding and the whole
+    tensors its ZeRO-1/2 gradient buffer keeps, ZeRO-3's persistent small parameters,
+    ZeroRedundancyOptimizer's whole-tensor split, FSDP2's padded first dimension, frozen parameters
+    without gradients or states."""
     monkeypatch.chdir(ROOT)
     for key, row in zoo.items():
         predicted = predict_point(row)

@@ -8,12 +8,25 @@ trial_spec. Reading YAML, `--set` overrides and the one-line messages live in ra
 """
 
 from ray_zero.config.experiment import DEFAULT_BUCKET_ELEMENTS, PRESET_NAMES, ConfigError, Experiment
-from ray_zero.config.points import BACKEND_STAGES, OFFLOADS, Backend, Offload, Point, Stage, unsupported
+from ray_zero.config.points import (
+    BACKEND_STAGES,
+    ENGINES,
+    OFFLOADS,
+    Backend,
+    EngineEntry,
+    Offload,
+    Point,
+    Stage,
+    registered,
+    unsupported,
+)
 from ray_zero.config.sections import SECRET_QUERY_KEYS, Fault, Grid, Optimizer, Runtime, StrictModel
 from ray_zero.config.trial_spec import TrialSpec
 
 __all__ = [
     "BACKEND_STAGES",
+    "ENGINES",
+    "EngineEntry",
     "DEFAULT_BUCKET_ELEMENTS",
     "OFFLOADS",
     "PRESET_NAMES",
@@ -30,5 +43,6 @@ __all__ = [
     "Stage",
     "StrictModel",
     "TrialSpec",
+    "registered",
     "unsupported",
 ]

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ray_zero.config.sections import Fault, Grid, Optimizer, Runtime, StrictModel
 from ray_zero.models.presets import PRESETS
+from ray_zero.models.source import ModelSource
 
 DEFAULT_BUCKET_ELEMENTS = 50_000_000
 """ZeRO's reduce and all-gather buckets, in elements: 5e7 as in the seed tutorial (DeepSpeed's default is
@@ -60,8 +61,9 @@ class Experiment(StrictModel):
     """Training length in passes over each rank's shard (set this or steps)."""
     steps: Optional[int] = Field(default=None, gt=0)
     """Training length in optimizer steps (set this or epochs)."""
-    warmup_steps: int = Field(default=3, ge=0)
-    """First optimizer steps left out of timing (allocator warm-up, kernel selection)."""
+    warmup_steps: int = Field(default=3, ge=1)
+    """First optimizer steps left out of timing (allocator warm-up, kernel selection, the first step's lazy
+    allocations and counting); at least one."""
     gradient_accumulation_steps: int = Field(default=1, gt=0)
     """Micro-batches per optimizer step."""
     optimizer: Optimizer = Optimizer()
@@ -112,6 +114,10 @@ class Experiment(StrictModel):
         return self
 
     # Derived values are methods, not stored copies.
+    def model_source(self) -> ModelSource:
+        """The model's five fields, whole (what describe_model counts and build_model_spec builds)."""
+        return ModelSource(self.model, self.model_options, self.seq_len, self.input_shape, self.num_classes)
+
     def is_preset(self) -> bool:
         return self.model in PRESETS
 

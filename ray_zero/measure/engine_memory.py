@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ray_zero.config import DEFAULT_BUCKET_ELEMENTS
+from ray_zero.config import DEFAULT_BUCKET_ELEMENTS, registered
 from ray_zero.measure.partitions import Held, even
 from ray_zero.measure.prediction import BYTES, Prediction
 
@@ -209,17 +209,28 @@ def engine_prediction(
     held: Optional[Held] = None,
 ) -> Prediction:
     """The engine's prediction; `held` from ray_zero/measure/partitions.py when the parameters' shapes are
-    known."""
-    if backend == "deepspeed":
-        return deepspeed(
-            params,
-            stage,
-            num_workers,
-            precision,
-            offload=offload,
-            reduce_bucket_size=reduce_bucket_size,
-            held=held,
-        )
-    if backend == "torch_zero":
-        return torch_zero(params, stage, num_workers, precision, held)
-    return fsdp(params, stage, num_workers, precision, largest_block_params or params, held)
+    known. An engine without a memory model is an error, never another engine's formula."""
+    if backend not in MEMORY_MODELS:
+        raise ValueError(f"no memory model for backend {backend!r}; allowed: {', '.join(MEMORY_MODELS)}")
+    settings = dict(
+        offload=offload, bucket=reduce_bucket_size, block=largest_block_params or params, held=held
+    )
+    return MEMORY_MODELS[backend](params, stage, num_workers, precision, **settings)
+
+
+MEMORY_MODELS = registered(
+    {
+        "deepspeed": lambda p, s, n, precision, offload, bucket, block, held: deepspeed(
+            p, s, n, precision, offload=offload, reduce_bucket_size=bucket, held=held
+        ),
+        "torch_zero": lambda p, s, n, precision, offload, bucket, block, held: torch_zero(
+            p, s, n, precision, held
+        ),
+        "fsdp": lambda p, s, n, precision, offload, bucket, block, held: fsdp(
+            p, s, n, precision, block, held
+        ),
+    },
+    "memory models (ray_zero/measure/engine_memory.py)",
+)
+"""Each registered engine's formula, with the experiment's settings it reads (offload, the reduce bucket,
+the largest block)."""

@@ -36,6 +36,10 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+CLEAR_REFS = "/proc/self/clear_refs"
+"""Where Linux resets a process's peak resident set (a CPU rank's peak)."""
+
+
 def _proc_status_kib(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -50,6 +54,8 @@ class Memory:
     def __init__(self, device: torch.device):
         self.device = device
         self.kind = "cuda" if device.type == "cuda" else "cpu_rss"
+        self.reset_failed = False
+        """A reset of the peak was refused: later peaks include what came before it."""
 
     def _cuda(self, which: str) -> dict[str, float]:
         # One call for both figures: memory_allocated() and its kin flatten every statistic each time.
@@ -76,10 +82,10 @@ class Memory:
             torch.cuda.reset_peak_memory_stats(self.device)
             return
         try:
-            with open("/proc/self/clear_refs", "w") as clear:
+            with open(CLEAR_REFS, "w") as clear:
                 clear.write("5")  # 5 = reset the peak resident set size (VmHWM)
-        except OSError:
-            pass  # not permitted here: the timed peak then includes start-up
+        except OSError:  # not permitted here: the peaks then include start-up, and the row says so
+            self.reset_failed = True
 
     def device_total_gib(self) -> Optional[float]:
         if self.kind == "cuda":
@@ -143,6 +149,7 @@ class Meter:
         self._whole_peak = {"allocated_gib": 0.0, "reserved_gib": 0.0}
         self._timed_from: Optional[float] = None
         self._window_from: Optional[tuple[float, int]] = None
+        self._excluded_s = 0.0  # bookkeeping inside the timed window (live gauges): not timed
         self.window_rates: list[float] = []  # samples/s of each timed window of live_metrics_every steps
         self.memory.reset_peak()
 
@@ -174,9 +181,22 @@ class Meter:
         self._window_from = (now, step)
         return rate
 
+    @contextlib.contextmanager
+    def untimed(self) -> Iterator[None]:
+        """Around bookkeeping between timed steps (publishing live gauges): its time is left out of the
+        timed steps' and of the current window's."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - started
+            self._excluded_s += spent
+            if self._window_from is not None:
+                self._window_from = (self._window_from[0] + spent, self._window_from[1])
+
     def stop_timing(self, timed_steps: int, samples_per_step: int) -> None:
         synchronize(self.device)
-        timed_s = time.perf_counter() - self._timed_from
+        timed_s = time.perf_counter() - self._timed_from - self._excluded_s
         timed_peak = self.memory.peak()
         rates = self.window_rates or [float("nan")]
         deciles = statistics.quantiles(rates, n=10, method="inclusive") if len(rates) > 1 else [rates[0]] * 9
@@ -192,6 +212,7 @@ class Meter:
             timed_peak_allocated_gib=timed_peak["allocated_gib"],
             nvml_used_gib=self.memory.nvml_used_gib(),
             device_memory_gib=self.memory.device_total_gib(),
+            peak_reset_failed=self.memory.reset_failed,
         )
 
     @contextlib.contextmanager

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
+
+from ray_zero.config import registered
 
 DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
 """DeepSpeed's stage3_param_persistence_threshold default: parameters this small stay whole on every rank."""
@@ -47,17 +49,11 @@ class Held:
 def even(params: float, backend: str, stage: int, num_workers: int, trainable: float | None = None) -> Held:
     """The split when the shapes are unknown: every partition an even 1/N, nothing kept whole."""
     n, t = num_workers, params if trainable is None else trainable
-    sharded = (
-        (backend == "deepspeed" and stage >= 1)
-        or (backend == "torch_zero" and stage == 1)
-        or backend == "fsdp"
-    )
-    gradients_sharded = (backend == "deepspeed" and stage >= 1) or backend == "fsdp"
-    params_sharded = (backend == "deepspeed" and stage == 3) or backend == "fsdp"
+    sharded = _rule(backend).sharded(stage)
     return Held(
-        params=params / n if params_sharded else params,
-        gradients=t / n if gradients_sharded else t,
-        states=t / n if sharded else t,
+        params=params / n if "params" in sharded else params,
+        gradients=t / n if "gradients" in sharded else t,
+        states=t / n if "states" in sharded else t,
         trainable=t,
     )
 
@@ -70,26 +66,72 @@ def held(
     num_workers: int,
 ) -> Held:
     """The elements each engine's fullest rank holds for parameters of these shapes (module order)."""
-    n = num_workers
+    return _rule(backend).held(trainable_shapes, frozen_shapes, stage, num_workers)
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """How one engine deals its parameters out: what it shards at a stage, and what its fullest rank holds."""
+
+    sharded: Callable[[int], frozenset[str]]
+    """Stage -> which of params, gradients, states it splits N ways."""
+    held: Callable[[Sequence[Shape], Sequence[Shape], int, int], Held]
+
+
+def _replicated(trainable_shapes, frozen_shapes) -> Held:
+    t = sum(math.prod(s) for s in trainable_shapes)
+    return Held(params=t + sum(math.prod(s) for s in frozen_shapes), gradients=t, states=t, trainable=t)
+
+
+def _deepspeed(trainable_shapes, frozen_shapes, stage: int, n: int) -> Held:
     trainable = [math.prod(s) for s in trainable_shapes]
     every = trainable + [math.prod(s) for s in frozen_shapes]
     t, p = sum(trainable), sum(every)
-    if backend == "deepspeed" and stage in (1, 2):
+    if stage in (1, 2):
         partition, gradients = _zero12_partitions(trainable, n)
         return Held(params=partition * n + p - t, gradients=gradients, states=partition, trainable=t)
-    if backend == "deepspeed" and stage == 3:
+    if stage == 3:
         split = sum(math.ceil(s / n) for s in trainable)
         # At one rank the partition is the whole tensor, one storage (measured on CPU): nothing besides it.
         whole = sum(s for s in every if s <= DEEPSPEED_PERSISTENCE_THRESHOLD) if n > 1 else 0
         return Held(
             params=sum(math.ceil(s / n) for s in every) + whole, gradients=split, states=split, trainable=t
         )
-    if backend == "torch_zero" and stage == 1:
-        return Held(params=p, gradients=t, states=_greedy_largest(trainable, n), trainable=t)
-    if backend == "fsdp":
-        rows = _fsdp_rows(trainable_shapes, n)
-        return Held(params=rows + _fsdp_rows(frozen_shapes, n), gradients=rows, states=rows, trainable=t)
-    return Held(params=p, gradients=t, states=t, trainable=t)
+    return _replicated(trainable_shapes, frozen_shapes)
+
+
+def _torch_zero(trainable_shapes, frozen_shapes, stage: int, n: int) -> Held:
+    replicated = _replicated(trainable_shapes, frozen_shapes)
+    if stage == 1:
+        states = _greedy_largest([math.prod(s) for s in trainable_shapes], n)
+        return Held(replicated.params, replicated.gradients, states, replicated.trainable)
+    return replicated
+
+
+def _fsdp(trainable_shapes, frozen_shapes, stage: int, n: int) -> Held:
+    rows = _fsdp_rows(trainable_shapes, n)
+    t = sum(math.prod(s) for s in trainable_shapes)
+    return Held(params=rows + _fsdp_rows(frozen_shapes, n), gradients=rows, states=rows, trainable=t)
+
+
+ALL, NONE = frozenset({"params", "gradients", "states"}), frozenset()
+PARTITION_RULES = registered(
+    {
+        "deepspeed": _Rule(
+            lambda stage: NONE if stage == 0 else ALL if stage == 3 else frozenset({"gradients", "states"}),
+            _deepspeed,
+        ),
+        "torch_zero": _Rule(lambda stage: frozenset({"states"}) if stage == 1 else NONE, _torch_zero),
+        "fsdp": _Rule(lambda stage: ALL, _fsdp),
+    },
+    "partition rules (ray_zero/measure/partitions.py)",
+)
+
+
+def _rule(backend: str) -> _Rule:
+    if backend not in PARTITION_RULES:  # never another engine's split
+        raise ValueError(f"no partition rule for backend {backend!r}; allowed: {', '.join(PARTITION_RULES)}")
+    return PARTITION_RULES[backend]
 
 
 def _zero12_partitions(sizes: list[int], n: int) -> tuple[int, int]:

@@ -32,6 +32,7 @@ from ray_zero.models.presets import IMAGE_SIZE, NUM_CLASSES, PRESETS, ModelPrese
 from ray_zero.models.source import (  # noqa: F401
     Built,
     ModelError,
+    ModelSource,
     checkpoint_blocks,
     classifier_spec,
     find_blocks,
@@ -119,18 +120,21 @@ class SmallTransformer(nn.Module):
 
 
 def describe_model(
-    model: str,
+    source: ModelSource | str,
     model_config: dict | None = None,
     seq_len: int | None = None,
     input_shape: list[int] | None = None,
     num_classes: int | None = None,
     check_params: Callable[[int], None] | None = None,
 ) -> ModelInfo:
-    """Parameters and training FLOPs per sample of `model`, built on the meta device (no memory used).
-    `check_params(count)` runs before the FLOPs are counted (seconds for a large model): a model that
-    cannot fit is refused without waiting for them."""
+    """Parameters and training FLOPs per sample of the model (a ModelSource, Experiment.model_source(); or
+    a model string and its fields), built on the meta device (no memory used). `check_params(count)` runs
+    before the FLOPs are counted (seconds for a large model): a model that cannot fit is refused without
+    waiting for them."""
+    source = ModelSource.of(source, model_config, seq_len, input_shape, num_classes)
+    model = source.model
     with torch.device("meta"):
-        built = _build(model, model_config, seq_len, input_shape, num_classes, counting=True)
+        built = _build(source, counting=True)
     module = built.spec.module
     params = list(module.parameters())  # unique Parameter objects: tied embeddings count once
     count = sum(p.numel() for p in params)
@@ -159,26 +163,23 @@ def describe_model(
 
 
 def build_model_spec(
-    model: str,
+    source: ModelSource | str,
     model_config: dict | None = None,
     seq_len: int | None = None,
     input_shape: list[int] | None = None,
     num_classes: int | None = None,
 ) -> ModelSpec:
-    """The real model on the CPU, in training mode (seed torch first), and how to train it."""
-    spec = _build(model, model_config, seq_len, input_shape, num_classes, counting=False).spec
+    """The real model, in training mode (seed torch first), and how to train it: on the CPU, or on the
+    device of a `with torch.device(...)` around the call."""
+    source = ModelSource.of(source, model_config, seq_len, input_shape, num_classes)
+    spec = _build(source, counting=False).spec
     spec.module.train()
     return spec
 
 
-def _build(
-    model: str,
-    config: dict | None,
-    seq_len: int | None,
-    input_shape: list[int] | None,
-    num_classes: int | None,
-    counting: bool,
-) -> Built:
+def _build(source: ModelSource, counting: bool) -> Built:
+    model, config, seq_len = source.model, source.model_config, source.seq_len
+    input_shape, num_classes = source.input_shape, source.num_classes
     if config is not None and not isinstance(config, dict):
         raise ModelError(f"model_config must be a mapping of keyword arguments, not {type(config).__name__}")
     config = dict(config or {})
@@ -203,7 +204,7 @@ def _preset(name, config, seq_len, input_shape, num_classes) -> Built:
     if config:
         raise ModelError(
             f"preset {name!r} takes no model_config (got {sorted(config)}); its sizes are "
-            "fixed in ray_zero/sizes.py: use hf:, timm: or a factory for another shape"
+            "fixed in ray_zero/models/presets.py: use hf:, timm: or a factory for another shape"
         )
     shape = (1, IMAGE_SIZE, IMAGE_SIZE)
     refuse(

@@ -22,6 +22,24 @@ class ModelError(ValueError):
     """A problem with the model input, in one line (the CLI prints it and exits 2)."""
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """The experiment's model, its five fields in one place (Experiment.model_source()): what
+    describe_model counts and build_model_spec builds."""
+
+    model: str
+    """A preset, hf:TYPE, timm:NAME or a factory (config.Experiment.model)."""
+    model_config: dict | None = None
+    seq_len: int | None = None
+    input_shape: list[int] | None = None
+    num_classes: int | None = None
+
+    @classmethod
+    def of(cls, source: "ModelSource | str", *args: Any, **kwargs: Any) -> "ModelSource":
+        """`source` itself, or a ModelSource of a model string and the other fields."""
+        return source if isinstance(source, ModelSource) else cls(source, *args, **kwargs)
+
+
 @dataclass
 class Built:
     """What a source made of the `model:` string: the spec and what the driver reports of it."""

@@ -18,42 +18,15 @@ import pandas as pd
 from ray_zero.measure.calibration import read_calibration
 from ray_zero.report.formatting import as_number, fmt, percent_text, present, truthy
 from ray_zero.report.frame import NOT_OK, finish_recorded, rows_frame
-from ray_zero.rows import COLUMNS
+from ray_zero.rows import results_columns
+from ray_zero.schema import TRIAL
 from ray_zero.store import load_trials, read_experiment_file
 
 REPORT_FILE = "report.html"
-TABLE_COLUMNS = [  # (results.csv column, heading, hover text)
-    ("trial", "trial", "the trial's name: its grid point"),
-    ("backend", "backend", "deepspeed, torch_zero (DDP + ZeroRedundancyOptimizer) or fsdp (FSDP2)"),
-    ("stage", "stage", "ZeRO stage"),
-    ("micro_batch_size", "micro-batch", "samples per rank per step"),
-    ("num_workers", "workers", "data-parallel ranks"),
-    ("activation_checkpointing", "ckpt", "activation checkpointing"),
-    ("offload_optimizer", "offload", "where the optimizer's states live"),
-    ("precision", "precision", "training precision"),
-    ("model", "model", "model"),
-    ("params", "params", "parameters"),
-    ("dataset", "dataset", "dataset"),
-    ("steps", "steps", "optimizer steps"),
-    ("status", "status", "ok, oom (out of memory), failed or skipped"),
-    ("loss_last", "loss", "loss at the first step -> the last, mean over ranks (sorts by the last)"),
-    ("samples_per_s", "samples/s", "timed steps, summed over ranks"),
-    ("samples_per_s_per_worker", "per rank", "samples/s per rank"),
-    ("mfu", "MFU", "model FLOPs utilisation (GPU)"),
-    (
-        "peak_allocated_gib_max",
-        "peak GiB",
-        "peak memory per rank, max over ranks (CUDA allocated; on CPU the worker's resident set)",
-    ),
-    ("predicted_peak_gib", "predicted peak", "the memory model's peak per rank (GPU)"),
-    ("measured_over_predicted", "measured / predicted", "peak measured over predicted (ok GPU rows)"),
-    ("measured_model_state_gib", "states GiB", "model states counted tensor by tensor, max over ranks"),
-    ("predicted_model_state_gib", "predicted states", "the memory model's model states per rank"),
-    ("memory_kind", "memory", "cuda: the CUDA allocator's peak; cpu_rss: the process's resident set"),
-    ("wall_s", "wall s", "the trial's wall time"),
-    ("attempts", "attempts", "attempts the trial took"),
-]
-"""The results table's columns; a trial that is not ok says why under its name (the error column)."""
+def table_columns() -> list[tuple[str, str, str]]:
+    """The results table's (column, heading, hover text): the registry's `page` view; a trial that is not
+    ok says why under its name (the error column)."""
+    return [(c.name, c.heading, c.hint or c.help) for c in TRIAL.view("page")]
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -65,8 +38,8 @@ class Sweep:
 
     folder: Path
     frame: pd.DataFrame
-    """results.csv: one row per trial, every column of rows.COLUMNS (blank where an older version had
-    none)."""
+    """results.csv: one row per trial, every column of rows.results_columns() (blank where an older
+    version had none)."""
     rows: dict[str, dict[str, Any]]
     """Each trial's finished row (trials.jsonl through rows.finish_row), or its results.csv row."""
     per_rank: Optional[pd.DataFrame]
@@ -77,9 +50,9 @@ class Sweep:
 
 
 def _normalise(frame: pd.DataFrame) -> pd.DataFrame:
-    """Every column of COLUMNS present; the defaults rows.finish_row gives rows of earlier versions."""
+    """Every column of results.csv present; the defaults rows.finish_row gives rows of earlier versions."""
     frame = frame.copy()
-    for column in COLUMNS:
+    for column in results_columns():
         if column not in frame:
             frame[column] = None
     for column, default in (("backend", "deepspeed"), ("offload_optimizer", "none"), ("status", "failed")):
@@ -129,13 +102,13 @@ def read_sweep(output_dir: Path) -> Sweep:
 
 def table(
     frame: pd.DataFrame,
-    columns: list[tuple[str, str, str]] = TABLE_COLUMNS,
+    columns: Optional[list[tuple[str, str, str]]] = None,
     keep_constant: Iterable[str] = ("trial", "status", "stage", "num_workers", "micro_batch_size"),
 ):
     """The table's columns (those the same in every row move to a line above it) and its cells."""
     keep = set(keep_constant)
     shown, constant = [], []
-    for column, heading, hint in columns:
+    for column, heading, hint in table_columns() if columns is None else columns:
         if column not in frame:
             continue
         values = frame[column]

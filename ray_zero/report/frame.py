@@ -5,34 +5,24 @@ module of report/: the page, its figures and the tables all read it."""
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import pandas as pd
 
 from ray_zero.config import DEFAULT_BUCKET_ELEMENTS
-from ray_zero.rows import COLUMNS, SORT_KEYS, aggregate_ranks, finish_row
+from ray_zero.rows import SORT_KEYS, aggregate_ranks, finish_row, results_columns
+from ray_zero.schema import TRIAL
 
 NOT_OK = ("oom", "failed", "skipped")  # the statuses of a row without a measurement
 
-MARKDOWN_COLUMNS = [
-    "trial",
-    "precision",
-    "status",
-    "loss_last",
-    "samples_per_s",
-    "mfu",
-    "peak_allocated_gib_max",
-    "predicted_peak_gib",
-    "measured_over_predicted",
-    "measured_model_state_gib",
-    "predicted_model_state_gib",
-    "wall_s",
-]
-"""results.md: what a reader compares (12 columns); results.csv has them all."""
+def markdown_columns() -> list[str]:
+    """results.md: what a reader compares (the registry's `md` view); results.csv has them all."""
+    return [c.name for c in TRIAL.view("md")]
 
 
 def rows_frame(rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
-    frame = pd.DataFrame([{c: row.get(c) for c in COLUMNS} for row in rows], columns=COLUMNS)
+    columns = results_columns()
+    frame = pd.DataFrame([{c: row.get(c) for c in columns} for row in rows], columns=columns)
     if len(frame):
         frame = frame.sort_values(SORT_KEYS, kind="stable").reset_index(drop=True)
     return frame
@@ -52,8 +42,8 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def markdown_table(frame: pd.DataFrame, columns: list[str] = MARKDOWN_COLUMNS) -> str:
-    columns = [c for c in columns if c in frame]
+def markdown_table(frame: pd.DataFrame, columns: Optional[list[str]] = None) -> str:
+    columns = [c for c in (markdown_columns() if columns is None else columns) if c in frame]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for _, record in frame[columns].iterrows():
         lines.append("| " + " | ".join(_cell(record[c]) for c in columns) + " |")

@@ -14,20 +14,9 @@ from ray_zero.measure.calibration import read_calibration, write_calibration
 from ray_zero.report.frame import NOT_OK, finish_recorded, markdown_table, memory_note, rows_frame
 from ray_zero.report.page import write_html_report
 from ray_zero.report.plots import write_plots
-from ray_zero.rows import PER_RANK_COLUMNS, aggregate_ranks
+from ray_zero.rows import aggregate_ranks, per_rank_columns
+from ray_zero.schema import TRIAL
 from ray_zero.store import atomic_write, load_trials, read_experiment_file
-
-CONSOLE_COLUMNS = {
-    "trial": "trial",
-    "status": "status",
-    "loss_last": "loss",
-    "samples_per_s": "samples/s",
-    "peak_allocated_gib_max": "peak GiB",
-    "predicted_peak_gib": "predicted",
-    "measured_model_state_gib": "states GiB",
-    "predicted_model_state_gib": "predicted states",
-    "wall_s": "wall s",
-}
 
 
 def prediction_notes(frame: pd.DataFrame) -> list[str]:
@@ -69,7 +58,7 @@ def write_results(
     per_rank = [r for row in rows for r in row.get("per_rank") or []]
     if per_rank:
         table = pd.DataFrame(per_rank)
-        table = table[[c for c in PER_RANK_COLUMNS if c in table]]
+        table = table[[c for c in per_rank_columns() if c in table]]
         atomic_write(output_dir / "per_rank.csv", table.to_csv(index=False))
     diagnostics = [r for row in rows for r in row.get("diagnostics") or []]
     if diagnostics:
@@ -120,12 +109,9 @@ def console_table(frame: pd.DataFrame, width: int = 120) -> str:
     """The final table, within `width` characters: on CPU the model-state columns replace the peak's
     prediction (an RSS beside a GPU prediction would tell nothing)."""
     cpu = set(frame["memory_kind"].dropna()) == {"cpu_rss"} if len(frame) else False
-    names = dict(CONSOLE_COLUMNS)
+    names = {c.name: c.heading for c in TRIAL.view("console", "console_cpu" if cpu else "console_gpu")}
     if cpu:
-        names.pop("predicted_peak_gib")
         names["peak_allocated_gib_max"] = "peak RSS GiB"
-    else:
-        names.pop("predicted_model_state_gib")
     shown = frame[list(names)].rename(columns=names)
     text = shown.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-")
     return "\n".join(line[:width] for line in text.splitlines())

@@ -75,10 +75,14 @@ def run_fit(
     diagnostics: bool = False,
     verbose: bool = False,
     command: Optional[str] = None,
+    fits_checked: bool = False,
 ):
     """Search, time, write the fit tables and the best configs; return the results table."""
     sizes = experiment.grid.micro_batch_size
-    with Session(experiment, model, output_dir, address, command, resume, diagnostics, verbose) as session:
+    session = Session(
+        experiment, model, output_dir, address, command, resume, diagnostics, verbose, fits_checked
+    )
+    with session:
         budget = settings.budget(session.plan.use_gpu, session.cluster.gpu_memory_gib)
         largest = min(settings.max_micro_batch, max(sizes)) if len(sizes) > 1 else settings.max_micro_batch
         steps = Steps(settings.granularity, largest)
@@ -108,7 +112,7 @@ def run_fit(
 
 
 def run_searches(session: Session, searches: list[SearchSpec], recorder: Recorder) -> None:
-    """Drive every search from a thread of this process (ray_zero/search_trial.py), as many at once as
+    """Drive every search from a thread of this process (ray_zero/run/search_trial.py), as many at once as
     the plan runs trials; each row recorded as it comes. A driver that fails itself (a bug, Ray gone)
     leaves a failed row for its search, and the others go on."""
     log = ray.get_actor(session.log_name)

@@ -3,7 +3,7 @@ of fit's own process.
 
 `search_loop` runs on every worker: `ray_zero.train.probing.run_search` probes micro-batch after micro-batch,
 each probe a `ray.train.report`. `drive_search` is its driver: it starts the run, turns each probe's
-all-rank report (the trial log, ray_zero/trial.py) into a results row (the row a sweep's trial makes) as
+all-rank report (the trial log, ray_zero/run/trial.py) into a results row (the row a sweep's trial makes) as
 it arrives, and hands it to `record`. No Tune: a search is one long run whose rows come while it trains,
 and fit's process already holds what a Tune trial's process would import again. A run can end before
 its search does: a rank out of memory with several workers, an out-of-memory probe that left memory in

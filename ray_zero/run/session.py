@@ -98,7 +98,7 @@ def provenance(experiment: Experiment, cluster: Cluster, plan: Plan, command: st
 
 class Session:
     """A sweep's Ray, cluster, plan and output folder, for a grid (`run_grid`) or a search
-    (ray_zero/fit.py)."""
+    (ray_zero/run/fit.py)."""
 
     def __init__(
         self,
@@ -110,6 +110,7 @@ class Session:
         resume: bool = False,
         diagnostics: bool = False,
         verbose: bool = False,
+        fits_checked: bool = False,
     ):
         self.command = command or " ".join(
             shlex.quote(a) for a in ["python", "-m", "ray_zero", *sys.argv[1:]]
@@ -118,16 +119,15 @@ class Session:
         check_output_dir(self.output_dir, resume)
         self.experiment, self.model, self.resume = experiment.with_absolute_paths(), model, resume
         self.diagnostics, self.address, self.verbose = diagnostics, address, verbose
-        if not (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
-            cluster = local_cluster()  # reject impossible grids before Ray starts
-            check_model_fits(self.experiment, model.params, cluster, plan_sweep(self.experiment, cluster))
+        self.fits_checked = fits_checked
 
     def __enter__(self) -> "Session":
         context, self.joined = start_ray(self.address, self.verbose)
         try:
             self.cluster = joined_cluster(self.joined) if self.joined else local_cluster()
             self.plan = plan_sweep(self.experiment, self.cluster)
-            check_model_fits(self.experiment, self.model.params, self.cluster, self.plan)
+            if not (self.fits_checked and not self.joined):  # once: here, or before Ray (ray_zero.api)
+                check_model_fits(self.experiment, self.model.params, self.cluster, self.plan)
             dashboard = getattr(context, "dashboard_url", None)
             if dashboard:
                 log.info(f"Ray dashboard at http://{dashboard}")

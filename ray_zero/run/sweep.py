@@ -92,17 +92,16 @@ def run_sweep(
     resume: bool = False,
     diagnostics: bool = False,
     verbose: bool = False,
+    fits_checked: bool = False,
 ):
-    """Run the whole grid and return the results table (a pandas DataFrame)."""
+    """Run the whole grid and return the results table (a pandas DataFrame). `fits_checked`: the model was
+    checked against this machine before a private Ray (ray_zero.api), and is not checked again."""
     if model is None:
-        model = describe_model(
-            experiment.model,
-            experiment.model_options,
-            experiment.seq_len,
-            experiment.input_shape,
-            experiment.num_classes,
-        )
-    with Session(experiment, model, output_dir, address, command, resume, diagnostics, verbose) as session:
+        model = describe_model(experiment.model_source())
+    session = Session(
+        experiment, model, output_dir, address, command, resume, diagnostics, verbose, fits_checked
+    )
+    with session:
         plan = session.plan
         if not resume:
             session.record_skipped()

@@ -2,7 +2,7 @@
 
 Three layers, as in Ray Train V2's documented pattern: `train_loop` runs on every worker (a rank);
 `run_trial` is the Tune function trainable that builds the TorchTrainer and calls `fit()` (the driver);
-the Tuner is in ray_zero/sweep.py. Ray's own TuneReportCallback forwards rank 0's metrics only: the
+the Tuner is in ray_zero/run/session.py. Ray's own TuneReportCallback forwards rank 0's metrics only: the
 public `UserCallback.after_report` receives every rank's, and puts them on the sweep's `TrialLog` actor,
 which also counts each rank's attempts. Public Ray API only.
 """
@@ -30,6 +30,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from ray_zero.config import TrialSpec
 from ray_zero.rows import aggregate_ranks, failed_row_fields, trial_row
+from ray_zero.schema import rank_report
 from ray_zero.store import join_storage
 
 
@@ -93,7 +94,7 @@ def train_loop(config: dict[str, Any]) -> None:
     spec: TrialSpec = config["spec"]
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    attempt = ray.get(config["log"].started.remote(spec.name + config["trial_id"], rank))
+    attempt = ray.get(config["log"].started.remote(config["log_key"], rank))
     diagnostics = None
     if spec.diagnostics:
         from ray_zero.measure.diagnostics import Diagnostics
@@ -101,15 +102,7 @@ def train_loop(config: dict[str, Any]) -> None:
         diagnostics = Diagnostics()
         diagnostics.figures["node_id"] = ray.get_runtime_context().get_node_id()
     device = ray.train.torch.get_device() if spec.use_gpu else torch.device("cpu")
-    point = spec.point
-    tags = {
-        "trial": spec.name,
-        "backend": point.backend,
-        "stage": str(point.stage),
-        "micro_batch_size": str(point.micro_batch_size),
-        "num_workers": str(point.num_workers),
-        "rank": str(rank),
-    }
+    tags = {"trial": spec.name, **{k: str(v) for k, v in spec.point.fields().items()}, "rank": str(rank)}
     # Ray prefixes application metrics with "ray_": the dashboard and Prometheus show ray_zero_loss etc.
     gauges = {
         name: Gauge(f"zero_{name}", description=text, tag_keys=tuple(tags))
@@ -142,7 +135,7 @@ def train_loop(config: dict[str, Any]) -> None:
             "peak_allocated_gib": metrics["peak_allocated_gib"],
         },
     )
-    ray.train.report(metrics)
+    ray.train.report(rank_report(metrics))
 
 
 def failure_fields(error: BaseException) -> dict[str, Any]:
@@ -206,7 +199,7 @@ def run_trial(config: dict[str, Any]) -> None:
     spec: TrialSpec = config["trial"]["spec"]
     train_environment(spec)
     context = tune.get_context()
-    trial_key = spec.name + context.get_trial_id()
+    trial_key = spec.name + context.get_trial_id()  # the trial log's key: built here only, passed on
     log = ray.get_actor(config["log_name"])
     row = trial_row(spec)
     fit_started_at = time.time()
@@ -214,7 +207,7 @@ def run_trial(config: dict[str, Any]) -> None:
         run_spec = dataclasses.replace(spec, gpu_share=1.0) if alone else spec
         trainer = torch_trainer(
             train_loop,
-            {"spec": run_spec, "log": log, "trial_id": context.get_trial_id()},
+            {"spec": run_spec, "log": log, "log_key": trial_key},
             run_spec,
             context.get_trial_id() + ("-alone" if alone else ""),
             log,

@@ -6,6 +6,8 @@ deepspeed is imported inside its methods: importing this module does not import 
 from __future__ import annotations
 
 import copy
+import warnings
+from typing import Optional
 
 import torch
 
@@ -24,6 +26,42 @@ def skip_inference_all_reduce_build() -> None:
     compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
     if isinstance(compatible, dict):
         compatible["deepspeed_shm_comm"] = False
+
+
+CHECKED_LOSS_SCALE_BUG = "0.19.8"
+"""The DeepSpeed version on which the stage-0 fp16 loss-scale bug (deepspeedai/DeepSpeed#8393) was
+measured and its fix checked (an H200: without it, updates 65536 times too small)."""
+
+
+def loss_scale_fix(engine) -> tuple[bool, Optional[str]]:
+    """Whether ray_zero scales the loss itself, and what the rank reports of it (None: not concerned).
+
+    DeepSpeed 0.19.8's engine.backward scales the loss for ZeRO optimizers only, while stage 0's fp16
+    optimizer (FP16_Optimizer) still divides the gradients by its loss scale in step. Where that path is
+    taken (an fp16 engine whose optimizer keeps a loss scale, is no ZeRO optimizer and gets no torch
+    GradScaler from the engine), the fix applies on the version it was checked on. On any other version
+    it does not (scaling twice, were DeepSpeed to scale the loss itself, would be as wrong as not at all):
+    a warning and the rank's report name the version, so a loss that does not fall is explained."""
+    import deepspeed
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+    optimizer = engine.optimizer
+    cause = (
+        engine.fp16_enabled()
+        and not isinstance(optimizer, ZeROOptimizer)
+        and hasattr(optimizer, "loss_scale")
+        and not getattr(engine, "torch_autocast_z0_gradscaler", None)
+    )
+    if not cause:
+        return False, None
+    if deepspeed.__version__ == CHECKED_LOSS_SCALE_BUG:
+        return True, f"applied (checked on DeepSpeed {CHECKED_LOSS_SCALE_BUG})"
+    reason = (
+        f"not applied: fp16 stage 0's loss scaling (deepspeedai/DeepSpeed#8393) was checked on DeepSpeed "
+        f"{CHECKED_LOSS_SCALE_BUG}, this is {deepspeed.__version__}: if the loss does not fall, that is why"
+    )
+    warnings.warn(reason, stacklevel=2)
+    return False, reason
 
 
 class DeepSpeedEngine(Engine):
@@ -51,17 +89,7 @@ class DeepSpeedEngine(Engine):
             else torch.float32
         )
         self._step_pending = False
-        from deepspeed.runtime.base_optimizer import ZeROOptimizer
-
-        # DeepSpeed 0.19.8's engine.backward scales the loss for ZeRO optimizers only, while stage 0's fp16
-        # optimizers still divide the gradients by the loss scale in step: updates 65536 times too small
-        # (measured on an H200; deepspeedai/DeepSpeed#8393, open). Scale it here, on the version measured
-        # only.
-        self._scale_loss = (
-            deepspeed.__version__ == "0.19.8"
-            and self.engine.fp16_enabled()
-            and not isinstance(self.engine.optimizer, ZeROOptimizer)
-        )
+        self._scale_loss, self.loss_scale_fix = loss_scale_fix(self.engine)
 
     def _forward_backward(self, batch, boundary, forward_context):
         if self.engine.is_gradient_accumulation_boundary() != boundary:

@@ -45,6 +45,9 @@ class Engine:
     backend: str
     input_dtype: torch.dtype = torch.float32
     config: dict
+    loss_scale_fix: Optional[str] = None
+    """What the engine does about a known bug in its loss scaling, for the rank's report (DeepSpeed fp16
+    stage 0, ray_zero/train/deepspeed_engine.py); None where none applies."""
 
     def __init__(self, spec: ModelSpec, settings: EngineSettings, device: torch.device):
         self.spec, self.settings, self.device = spec, settings, device

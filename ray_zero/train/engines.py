@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from ray_zero.config import unsupported
+from ray_zero.config import registered, unsupported
 from ray_zero.models.spec import ModelSpec
 from ray_zero.train.deepspeed_engine import DeepSpeedEngine
 from ray_zero.train.ds_config import LOW_PRECISION
@@ -48,10 +48,13 @@ def build_engine(spec: ModelSpec, settings: EngineSettings, device: torch.device
     if settings.activation_checkpointing:
         # Before wrapping: DDP, FSDP2 and DeepSpeed then see the recomputing blocks.
         _enable_checkpointing(spec)
-    engine = {"deepspeed": DeepSpeedEngine, "torch_zero": TorchZeroEngine, "fsdp": FSDPEngine}[
-        settings.backend
-    ]
-    return engine(spec, settings, device)
+    return ENGINE_CLASSES[settings.backend](spec, settings, device)
+
+
+ENGINE_CLASSES = registered(
+    {"deepspeed": DeepSpeedEngine, "torch_zero": TorchZeroEngine, "fsdp": FSDPEngine},
+    "engine classes (ray_zero/train/engines.py)",
+)
 
 
 def _enable_checkpointing(spec: ModelSpec) -> None:

@@ -114,7 +114,7 @@ class SearchSpec:
 
 def calibration_probes(search: SearchSpec) -> list[TrialSpec]:
     """The search's calibration probes at its own point: the sizes and length a sweep's calibration
-    takes (ray_zero/calibration.py, which reads their rows with `per_sample_bytes`)."""
+    takes (ray_zero/measure/calibration.py, which reads their rows with `per_sample_bytes`)."""
     spec = search.spec
     length = calibration.probe_experiment(spec.experiment)
     return [
@@ -155,10 +155,7 @@ class _Model:
 
     def __init__(self, experiment: Experiment, keep: bool):
         torch.manual_seed(experiment.seed)  # as worker.train seeds before it builds
-        e = experiment
-        self.built: Optional[ModelSpec] = build_model_spec(
-            e.model, e.model_options, e.seq_len, e.input_shape, e.num_classes
-        )
+        self.built: Optional[ModelSpec] = build_model_spec(experiment.model_source())
         self.keep = keep
 
     def for_probe(self) -> Optional[ModelSpec]:

@@ -35,19 +35,16 @@ class EngineSettings:
     @classmethod
     def for_trial(cls, spec: TrialSpec, world_size: int) -> "EngineSettings":
         """A trial's point and its experiment's sections, as every rank builds them."""
-        e, p = spec.experiment, spec.point
+        e, point = spec.experiment, spec.point.fields()
+        del point["num_workers"]  # the ranks torch.distributed has: world_size
         return cls(
-            backend=p.backend,
-            stage=p.stage,
+            **point,
             precision=spec.precision,
-            micro_batch_size=p.micro_batch_size,
             gradient_accumulation_steps=e.gradient_accumulation_steps,
             world_size=world_size,
             optimizer=e.optimizer,
             reduce_bucket_size=e.reduce_bucket_size,
             allgather_bucket_size=e.allgather_bucket_size,
-            offload_optimizer=p.offload_optimizer,
-            activation_checkpointing=p.activation_checkpointing,
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 `train()` needs only torch.distributed to be set up (by Ray Train, or by torchrun in bench/), so the
 bare-DeepSpeed baseline runs the very same code; Ray Train's entry point is `ray_zero.run.trial.train_loop`.
-What the rank measures is in a `Meter` beside the loop (ray_zero/meter.py).
+What the rank measures is in a `Meter` beside the loop (ray_zero/measure/meter.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ray_zero.config import TrialSpec
 from ray_zero.measure.meter import Meter, SavedForBackward, peak_tflops
 from ray_zero.models.describe import build_model_spec
 from ray_zero.models.spec import ModelSpec, batch_bytes, cast_floating
+from ray_zero.schema import rank_report
 from ray_zero.train.data import mnist_shard, synthetic_batches
 from ray_zero.train.engines import build_engine
 from ray_zero.train.settings import EngineSettings
@@ -173,13 +174,7 @@ class _Run:
             # Built where it trains: a GPU initialises the weights in a fraction of the host's time, and
             # nothing is copied (the same shapes and initialisation; the device's random stream).
             with torch.device(self.device):
-                model = build_model_spec(
-                    experiment.model,
-                    experiment.model_options,
-                    experiment.seq_len,
-                    experiment.input_shape,
-                    experiment.num_classes,
-                )
+                model = build_model_spec(experiment.model_source())
         model.module.to(self.device)
         self._done("model_build", "model")
 
@@ -272,10 +267,8 @@ class _Run:
             if step == 0:
                 self.meter.after("first_step")
                 loss_first = step_loss.item()
-            if step in (0, total_steps - 1):
-                # After the first step and the last: a skipped step (fp16's loss scale overflowing at the
-                # start) creates no optimizer states, and they appear at a later step.
-                states = {k: max(v, states.get(k, 0)) for k, v in engine.model_state_bytes().items()}
+            if step == 0:  # a warm-up step (warmup_steps >= 1): outside the timed window
+                states = engine.model_state_bytes()
             if steps_per_epoch and experiment.epochs is not None and (step + 1) % steps_per_epoch == 0:
                 losses_by_epoch.append(round(epoch_loss.item() / steps_per_epoch, 5))
                 epoch_loss.zero_()
@@ -287,17 +280,21 @@ class _Run:
                 now = time.perf_counter()
                 if self.on_progress is not None and now - published_at >= PUBLISH_INTERVAL_S:
                     published_at = now
-                    self.on_progress(
-                        step + 1,
-                        {
-                            "loss": loss_value,
-                            "samples_per_s": rate,
-                            "peak_allocated_gib": self.meter.peak_so_far_gib(),
-                        },
-                    )
+                    with self.meter.untimed():  # its time is not the steps'
+                        self.on_progress(
+                            step + 1,
+                            {
+                                "loss": loss_value,
+                                "samples_per_s": rate,
+                                "peak_allocated_gib": self.meter.peak_so_far_gib(),
+                            },
+                        )
         timed_steps = total_steps - warmup
         self.meter.stop_timing(timed_steps, samples_per_step)
         self.timings["measuring_until"] = time.time()
+        # After the first step and the last: a skipped step (fp16's loss scale overflowing at the start)
+        # creates no optimizer states, and they appear at a later step. Walked after the timed window.
+        states = {k: max(v, states.get(k, 0)) for k, v in engine.model_state_bytes().items()}
         if self.diagnostics:
             self.diagnostics.stop_timed()
         self.phase = "finish"
@@ -332,25 +329,28 @@ class _Run:
         # Model FLOPs (counted once, without recomputation): MFU does not credit activation checkpointing.
         tflops = figures["samples_per_s"] * self.spec.model.flops_per_sample / 1e12
         peak = peak_tflops(device_name, self.spec.precision) if self.device.type == "cuda" else None
-        return {
-            "rank": self.rank,
-            "attempt": self.attempt,
-            "device_name": device_name,
-            # Which GPU: trials that share one take turns on it (ray_zero/train/turn.py).
-            "device_uuid": str(torch.cuda.get_device_properties(self.device).uuid)
-            if self.device.type == "cuda"
-            else None,
-            "steps": total_steps,
-            "loss_first": loss_first,
-            "loss_last": loss_last,
-            "loss_by_epoch": losses_by_epoch,
-            "tflops": tflops,
-            "mfu": tflops / peak if peak else None,
-            "data_bytes": data_bytes,
-            "data_source": data_source,
-            "saved_for_backward_bytes": saved_bytes,  # one micro-batch's activations, counted by autograd
-            "engine_config": engine.config,  # what the engine was built with (DeepSpeed: its config, key for key)  # noqa: E501
-            **figures,
-            **states,
-            **self.timings,
-        }
+        return rank_report(
+            {
+                "rank": self.rank,
+                "attempt": self.attempt,
+                "device_name": device_name,
+                # Which GPU: trials that share one take turns on it (ray_zero/train/turn.py).
+                "device_uuid": str(torch.cuda.get_device_properties(self.device).uuid)
+                if self.device.type == "cuda"
+                else None,
+                "steps": total_steps,
+                "loss_first": loss_first,
+                "loss_last": loss_last,
+                "loss_by_epoch": losses_by_epoch,
+                "tflops": tflops,
+                "mfu": tflops / peak if peak else None,
+                "data_bytes": data_bytes,
+                "data_source": data_source,
+                "saved_for_backward_bytes": saved_bytes,  # one micro-batch's activations, counted by autograd
+                "engine_config": engine.config,  # what it was built with (DeepSpeed: its config, key for key)
+                "loss_scale_fix": engine.loss_scale_fix,
+                **figures,
+                **states,
+                **self.timings,
+            }
+        )

@@ -1,0 +1,120 @@
+"""A trial's row: results.csv's columns in their order, then what only trials.jsonl keeps (the rest of
+the point and the model, each rank figure's other aggregates, times, fit's fields, every rank's report).
+`how`/`of`: how the value is made from the ranks' reports (ray_zero/rows.py aggregates by these)."""
+
+from __future__ import annotations
+
+from ray_zero.schema.columns import Registry, column
+
+T, R = "results", "record"
+PAGE, MD, CONSOLE = "page", "md", "console"
+
+_TIMES = ("model_build_s", "data_load_s", "initialize_s", "turn_wait_s", "warmup_s", "timed_s")
+_STATES = ("parameter", "gradient", "master_param", "optimizer_state")
+
+
+def _extremes(rank_name: str, unit: str, text: str, tier_of_max: str = R) -> list:
+    """A rank figure's max and min over ranks (bytes keep `_per_rank` in their names)."""
+    stem = f"{rank_name[: -len('_bytes')]}_bytes_per_rank" if rank_name.endswith("_bytes") else rank_name
+    type_ = int if unit == "bytes" else float
+    return [
+        column(f"{stem}_max", type_, unit, tier_of_max, f"{text}, the largest rank", how="max", of=rank_name),
+        column(f"{stem}_min", type_, unit, R, f"{text}, the smallest rank", how="min", of=rank_name),
+    ]
+
+
+TRIAL = Registry(
+    [
+        column("trial", str, "", T, "the point's name: stage1_mb64_w2, fsdp_stage3_mb8_w2_ac (_ac: activation checkpointing, _offloadcpu: optimizer offload, _calibration / _timed: a calibration or fit timing trial)", heading="trial", hint="the trial's name: its grid point", views={PAGE, MD, CONSOLE}, place=0),
+        column("backend", str, "", T, "deepspeed (ZeRO stages 0-3), torch_zero (0: DDP, 1: DDP + ZeroRedundancyOptimizer), fsdp (FSDP2; 2: parameters stay gathered from forward to backward, 3: resharded after forward)", heading="backend", hint="deepspeed, torch_zero (DDP + ZeroRedundancyOptimizer) or fsdp (FSDP2)", views={PAGE}, place=1),
+        column("stage", int, "", T, "ZeRO stage: what is partitioned across ranks", heading="stage", hint="ZeRO stage", views={PAGE}, place=2),
+        column("micro_batch_size", int, "", T, "samples per rank per forward and backward", heading="micro-batch", hint="samples per rank per step", views={PAGE}, place=3),
+        column("num_workers", int, "", T, "data-parallel ranks", heading="workers", hint="data-parallel ranks", views={PAGE}, place=4),
+        column("activation_checkpointing", bool, "", T, "each block's activations recomputed in backward", heading="ckpt", hint="activation checkpointing", views={PAGE}, place=5),
+        column("offload_optimizer", str, "", T, "cpu: DeepSpeed keeps the fp32 master and Adam's states in host memory and steps them there", heading="offload", hint="where the optimizer's states live", views={PAGE}, place=6),
+        column("precision", str, "", T, "fp16 / bf16 (mixed precision; GPU) or fp32", heading="precision", hint="training precision", views={PAGE, MD}, place=7),
+        column("model", str, "", T, "the model source", heading="model", hint="model", views={PAGE}, place=8),
+        column("params", int, "parameters", T, "its parameter count (on the meta device, before Ray starts)", heading="params", hint="parameters", views={PAGE}, place=9),
+        column("dataset", str, "", T, "mnist (presets) or synthetic (random batches shaped for the model)", heading="dataset", hint="dataset", views={PAGE}, place=10),
+        column("steps", int, "", T, "optimizer steps", heading="steps", hint="optimizer steps", how="first", of="steps", views={PAGE}, place=11),
+        column("status", str, "", T, "ok; oom (out of memory: the memory at the failure is in the row); failed (with error, after runtime.max_failures retries); skipped (needs more workers than the cluster has, or an engine lacks the stage)", heading="status", hint="ok, oom (out of memory), failed or skipped", views={PAGE, MD, CONSOLE}, place=12),
+        column("loss_first", float, "", T, "training loss of the first step", how="mean", of="loss_first"),
+        column("loss_last", float, "", T, "training loss of the last step", heading="loss", hint="loss at the first step -> the last, mean over ranks (sorts by the last)", how="mean", of="loss_last", views={PAGE, MD, CONSOLE}, place=13),
+        column("samples_per_s", float, "samples/s", T, "over the timed steps only (warm-up excluded, the device synchronised before the clock is read)", heading="samples/s", hint="timed steps, summed over ranks", how="sum", of="samples_per_s", views={PAGE, MD, CONSOLE}, place=14),
+        column("samples_per_s_per_worker", float, "samples/s", T, "the mean rank's samples/s", heading="per rank", hint="samples/s per rank", how="mean", of="samples_per_s", views={PAGE}, place=15),
+        column("mfu", float, "", T, "model FLOPs per second per rank (counted once by torch's FlopCounterMode: recomputation is not credited) over the card's dense fp16/bf16 peak; GPU only", heading="MFU", hint="model FLOPs utilisation (GPU)", how="mean", of="mfu", views={PAGE, MD}, place=16),
+        column("peak_allocated_gib_max", float, "GiB", T, "GPU: the CUDA allocator's peak over the whole trial, engine set-up included; CPU: each worker process's peak resident set (Python, torch and Ray included)", heading="peak GiB", hint="peak memory per rank, max over ranks (CUDA allocated; on CPU the worker's resident set)", how="max", of="peak_allocated_gib", views={PAGE, MD, CONSOLE}, place=17),
+        column("peak_reserved_gib_max", float, "GiB", T, "the CUDA caching allocator's peak reserved (GPU; on CPU the resident set again)", how="max", of="peak_reserved_gib"),
+        column("memory_kind", str, "", T, "cuda or cpu_rss: what the memory columns measure", heading="memory", hint="cuda: the CUDA allocator's peak; cpu_rss: the process's resident set", how="first", of="memory_kind", views={PAGE}, place=22),
+        column("optimizer_state_bytes_per_rank_max", int, "bytes", T, "Adam's states, each tensor storage counted once (a sharded tensor: this rank's shard)", how="max", of="optimizer_state_bytes"),
+        column("measured_model_state_gib", float, "GiB", T, "parameters + gradients + fp32 master + optimizer states, counted tensor by tensor on the rank that holds the most", heading="states GiB", hint="model states counted tensor by tensor, on the rank that holds the most", how="fullest", of="parameter_bytes", views={PAGE, MD, CONSOLE}, place=20),
+        column("predicted_model_state_gib", float, "GiB", T, "what the memory model predicts for them (each kind on the rank that holds the most of it)", heading="predicted states", hint="the memory model's model states per rank", views={PAGE, MD, "console_cpu"}, place=21),
+        column("predicted_peak_gib", float, "GiB", T, "the memory model's peak for this row (GPU rows; needs the presets' shapes or a calibration for activations)", heading="predicted peak", hint="the memory model's peak per rank (GPU)", views={PAGE, MD, "console_gpu"}, place=18),
+        column("measured_over_predicted", float, "", T, "the measured peak over the predicted (ok GPU rows)", heading="measured / predicted", hint="peak measured over predicted (ok GPU rows)", views={PAGE, MD}, place=19),
+        column("prediction", str, "", T, "on what the formula used for this row was checked (\"checked on H200 ...\", \"unchecked\", \"activations calibrated\", \"model states only (CPU)\")"),
+        column("wall_s", float, "s", T, "the trial's TorchTrainer.fit(): controller, workers, waiting for its GPU's turn, training, shutdown", heading="wall s", hint="the trial's wall time", views={PAGE, MD, CONSOLE}, place=23),
+        column("attempts", int, "", T, "attempts whose ranks began training (a worker killed as its group starts is retried but not counted)", heading="attempts", hint="attempts the trial took", views={PAGE}, place=24),
+        column("error", str, "", T, "why a row is not ok, in one line"),
+        # trials.jsonl only: the rest of the point and the model
+        column("param_bytes", int, "bytes", R, "the parameters' bytes in the dtype the model is built in"),
+        column("global_batch", int, "", R, "micro-batch x gradient accumulation x workers"),
+        column("reduce_bucket_size", int, "elements", R, "ZeRO's reduce bucket"),
+        column("flops_per_sample", float, "FLOP", R, "training FLOPs per sample (FlopCounterMode on the meta device)"),
+        column("largest_block_params", int, "parameters", R, "the largest repeated block (what FSDP2 gathers at a time)"),
+        column("param_elements_per_rank", float, "elements", R, "parameters the engine leaves on its fullest rank (from the shapes)"),
+        column("gradient_elements_per_rank", float, "elements", R, "gradients the engine leaves on its fullest rank"),
+        column("state_elements_per_rank", float, "elements", R, "elements whose master and Adam's states the fullest rank keeps"),
+        column("trainable_params", float, "parameters", R, "parameters that train"),
+        column("gpu_share", float, "", R, "the share of a GPU each worker reserved (under 1: beside other trials on it)"),
+        column("oom_while_sharing", str, "", R, "the error of a run out of memory beside other trials, before the trial ran again alone"),
+        # the ranks' other figures
+        column("peak_allocated_gib_min", float, "GiB", R, "peak allocated, the smallest rank", how="min", of="peak_allocated_gib"),
+        column("peak_reserved_gib_min", float, "GiB", R, "peak reserved, the smallest rank", how="min", of="peak_reserved_gib"),
+        *_extremes("timed_peak_allocated_gib", "GiB", "peak allocated over the timed steps"),
+        *_extremes("nvml_used_gib", "GiB", "the process's memory as nvidia-smi shows it"),
+        *(x for kind in _STATES for x in _extremes(f"{kind}_bytes", "bytes", f"{kind.replace('_', ' ')} bytes") if not x.name.startswith("optimizer_state_bytes_per_rank_max")),
+        *_extremes("other_optimizer_bytes", "bytes", "buckets and flat buffers the optimizer holds"),
+        *_extremes("data_bytes", "bytes", "the rank's data on its device"),
+        *_extremes("saved_for_backward_bytes", "bytes", "what autograd saved in one micro-batch's forward"),
+        *_extremes("micro_batch_rise_bytes", "bytes", "how far one micro-batch raised allocated memory"),
+        column("peak_reset_failed", bool, "", R, "a rank could not reset its peak (CPU): its peaks include set-up", how="any", of="peak_reset_failed"),
+        column("window_samples_per_s_median", float, "samples/s", R, "the timed windows' median rate, summed over ranks", how="sum_all", of="window_samples_per_s_median"),
+        column("window_samples_per_s_p90", float, "samples/s", R, "the timed windows' 90th percentile, summed over ranks", how="sum_all", of="window_samples_per_s_p90"),
+        column("tflops_per_worker", float, "TFLOP/s", R, "model FLOPs per second, the mean rank", how="mean", of="tflops"),
+        column("loss_by_epoch", list, "", R, "each epoch's loss, mean over ranks (MNIST)", how="epochs", of="loss_by_epoch"),
+        column("timed_steps", int, "", R, "steps timed", how="first", of="timed_steps"),
+        column("data_source", str, "", R, "where the data came from", how="first", of="data_source"),
+        column("device_name", str, "", R, "the ranks' device", how="first", of="device_name"),
+        column("device_memory_gib", float, "GiB", R, "the GPU's memory", how="first", of="device_memory_gib"),
+        *(column(name, float, "s", R, f"{name[:-2].replace('_', ' ')}, the slowest rank", how="slowest", of=name) for name in _TIMES),
+        # when
+        column("fit_started_at", float, "s", R, "when the trial's TorchTrainer.fit() began (epoch seconds)"),
+        column("fit_finished_at", float, "s", R, "when it returned"),
+        column("recorded_at", float, "s", R, "when the sweep recorded the row"),
+        # fit's probes
+        column("run", str, "", R, "fit: the Ray Train run the probe ran in"),
+        column("search_started_at", float, "s", R, "fit: when the probe's search began"),
+        column("first_guess", int, "", R, "fit: the micro-batch the search started from"),
+        # every rank
+        column("per_rank", list, "", R, "every rank's report (per_rank.csv's rows)"),
+        column("diagnostics", list, "", R, "--diagnostics: every rank's host figures (diagnostics.csv's rows)"),
+    ]
+)
+
+LEGACY = frozenset(
+    {
+        "device",
+        "driver_pid",
+        "driver_process_started_at",
+        "driver_started_at",
+        "finished_at",
+        "leftover_gib",
+        "paper_model_state_gib",
+        "process_started_at",
+        "queued_s",
+        "train_started_at",
+        "tune_finished_at",
+        "tune_started_at",
+    }
+)
+"""Fields of earlier versions' rows: read from old trials.jsonl files, never written."""
