@@ -20,7 +20,7 @@ import torch
 
 from ray_zero.models.describe import build_model_spec, describe_model
 from ray_zero.models.presets import PRESETS
-from ray_zero.models.source import ModelError, find_blocks
+from ray_zero.models.source import ModelError, ModelSource, find_blocks
 from ray_zero.models.spec import ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -272,7 +272,7 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("function", [describe_model, build_model_spec])
 def test_bad_input_is_one_line_naming_the_problem(function, call, phrase):
     with pytest.raises(ModelError) as raised:
-        function(**call)
+        function(ModelSource(**call))  # the model's fields, whole, as an experiment passes them
     message = str(raised.value)
     assert phrase in message and "\n" not in message
 

@@ -35,20 +35,21 @@ class SweepIncomplete(Exception):
 
 class CalibrationRecorder:
     """calibration.json as soon as the calibration trials all have rows, so that the rows recorded after
-    them carry the calibrated prediction (the sweep's tables are predicted again at its end)."""
+    them carry the calibrated prediction (the sweep's tables are predicted again at its end). Plain data
+    only: Tune pickles it with the sweep's state (no actor handle of this Ray may be inside)."""
 
     def __init__(self, session: Session, names: set[str]):
-        self.session, self.names = session, names
+        self.names, self.output_dir, self.experiment = names, session.output_dir, session.experiment
+        self.use_gpu, self.precision = session.plan.use_gpu, session.plan.precision
 
     def __call__(self, row: dict) -> None:
         if not self.names or row["trial"] not in self.names:
             return
-        rows = [r for r in load_trials(self.session.output_dir) if r["trial"] in self.names]
+        rows = [r for r in load_trials(self.output_dir) if r["trial"] in self.names]
         if len(rows) < len(self.names):
             return
-        plan = self.session.plan
         found = calibration.write_calibration(
-            self.session.output_dir, self.session.experiment, rows, plan.use_gpu, plan.precision
+            self.output_dir, self.experiment, rows, self.use_gpu, self.precision
         )
         doubtful = any(fit["verdict"] != "ok" for fit in found["fits"])
         (log.warning if doubtful else log.info)(calibration.summary(found))

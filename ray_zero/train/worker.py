@@ -1,4 +1,5 @@
-"""One rank's training: build the model and its data, set up the engine, train, measure.
+"""One rank's trial: build the model and its data, set up the engine (beside other trials' set-ups on a
+shared GPU), wait for the device's measurement turn, train and measure (ray_zero/train/steps.py), let go.
 
 `train()` needs only torch.distributed to be set up (by Ray Train, or by torchrun in bench/), so the
 bare-DeepSpeed baseline runs the very same code; Ray Train's entry point is `ray_zero.run.trial.train_loop`.
@@ -10,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import signal
 import sys
 import time
 from typing import Any, Callable, Optional
@@ -19,19 +19,17 @@ import torch
 import torch.distributed as dist
 
 from ray_zero.config import TrialSpec
-from ray_zero.measure.meter import Meter, SavedForBackward, peak_tflops
+from ray_zero.measure.meter import Meter
 from ray_zero.models.describe import build_model_spec
-from ray_zero.models.spec import ModelSpec, batch_bytes, cast_floating
-from ray_zero.schema import rank_report
+from ray_zero.models.spec import ModelSpec, batch_bytes
 from ray_zero.train.data import mnist_shard, synthetic_batches
+from ray_zero.train.engine_base import Engine
 from ray_zero.train.engines import build_engine
 from ray_zero.train.settings import EngineSettings
+from ray_zero.train.steps import Data, train_steps
 from ray_zero.train.turn import MeasurementTurn, gpu_turn
 
 ProgressFn = Callable[[int, dict[str, float]], None]
-# Live figures go to the caller at most this often: Ray exports gauges every 10 s, and each update costs
-# a host-bound step time.
-PUBLISH_INTERVAL_S = 1.0
 SYNTHETIC_BATCHES = 4
 """Synthetic micro-batches each rank makes once and serves in turn."""
 
@@ -59,20 +57,6 @@ def jit_ops_dir() -> str:
     return os.path.join(
         get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}-env-{environment}"
     )
-
-
-def _inject_fault(spec: TrialSpec, rank: int, step: int, attempt: int) -> None:
-    fault = next((f for f in spec.experiment.fault if f.fires(spec.point, rank, step, attempt)), None)
-    if fault is None:
-        return
-    where = f"rank {rank}, step {step}, attempt {attempt}"
-    if fault.kind == "oom":
-        raise torch.cuda.OutOfMemoryError(
-            f"CUDA out of memory (injected by ray_zero's fault option at {where})"
-        )
-    if fault.kind == "error":
-        raise RuntimeError(f"injected error (ray_zero's fault option at {where})")
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train(
@@ -130,7 +114,7 @@ class _Run:
         self.timings: dict[str, float] = {}
         self._since = time.perf_counter()
 
-    def _done(self, phase: str, memory_phase: Optional[str] = None) -> None:
+    def done(self, phase: str, memory_phase: Optional[str] = None) -> None:
         """Close a set-up phase: its duration, the memory after it, its diagnostics mark."""
         now = time.perf_counter()
         self.timings[f"{phase}_s"] = now - self._since
@@ -144,15 +128,11 @@ class _Run:
         # Set-up beside other trials' set-ups on this device, never while one of them measures.
         with self.turn.setting_up() if self.turn is not None else contextlib.nullcontext():
             self.timings["set_up_from"] = time.time()
-            engine, model, batches, total_steps, warmup, steps_per_epoch, data_bytes, data_source = (
-                self._set_up()
-            )
+            engine, data = self._set_up()
             self.timings["set_up_until"] = time.time()
         try:
             self._take_turn()
-            return self._train(
-                engine, model, batches, total_steps, warmup, steps_per_epoch, data_bytes, data_source
-            )
+            return train_steps(self, engine, data)
         finally:
             engine.close()
             if self.turn is not None:
@@ -162,7 +142,7 @@ class _Run:
                     torch.cuda.empty_cache()
                 self.turn.release()
 
-    def _set_up(self):
+    def _set_up(self) -> tuple[Engine, Data]:
         """Model, data and engine: what the rank does before it measures."""
         spec, experiment, point = self.spec, self.spec.experiment, self.spec.point
         micro, accum = point.micro_batch_size, experiment.gradient_accumulation_steps
@@ -176,7 +156,7 @@ class _Run:
             with torch.device(self.device):
                 model = build_model_spec(experiment.model_source())
         model.module.to(self.device)
-        self._done("model_build", "model")
+        self.done("model_build", "model")
 
         self.phase = "data load"
         data_seed = experiment.seed + self.rank
@@ -206,12 +186,12 @@ class _Run:
             raise ValueError(
                 f"warmup_steps ({warmup}) must be less than the {total_steps} steps this trial trains"
             )
-        self._done("data_load", "data")
+        self.done("data_load", "data")
 
         self.phase = "engine set-up"
         engine = build_engine(model, EngineSettings.for_trial(spec, self.world_size), self.device)
-        self._done("initialize", "initialize")
-        return engine, model, batches, total_steps, warmup, steps_per_epoch, data_bytes, data_source
+        self.done("initialize", "initialize")
+        return engine, Data(batches, total_steps, steps_per_epoch, data_bytes, data_source)
 
     def _take_turn(self) -> None:
         """Wait for the device's measurement turn, holding only what is in use; then all ranks start
@@ -224,133 +204,4 @@ class _Run:
         self.turn.acquire()
         if self.world_size > 1:
             dist.barrier()
-        self._done("turn_wait")
-
-    def _train(self, engine, model, batches, total_steps, warmup, steps_per_epoch, data_bytes, data_source):
-        """The training loop of an engine that is set up; the rank's result."""
-        experiment, point = self.spec.experiment, self.spec.point
-        micro, accum = point.micro_batch_size, experiment.gradient_accumulation_steps
-        spec = self.spec
-
-        saved = SavedForBackward()
-        measured_step = max(warmup - 1, 0)  # one micro-batch measured alone, before the timed steps
-        losses_by_epoch, epoch_loss = [], torch.zeros((), device=self.device)
-        loss_first = loss_last = float("nan")
-        samples_per_step = micro * accum
-        published_at = float("-inf")
-        states: dict[str, int] = {}
-        # Wall-clock bounds of what this rank measures (warm-up to the last timed step): trials that share
-        # a device must never overlap there (their turns, ray_zero/train/turn.py).
-        self.timings["measuring_from"] = time.time()
-        for step in range(total_steps):
-            self.phase = f"step {step}"
-            if step == warmup:
-                self._done("warmup")
-                self.meter.start_timing(step)
-                if self.diagnostics:
-                    self.diagnostics.start_timed()
-            _inject_fault(spec, self.rank, step, self.attempt)
-            step_loss = torch.zeros((), device=self.device)
-            for micro_step in range(accum):
-                batch = cast_floating(next(batches), engine.input_dtype)
-                boundary = micro_step == accum - 1
-                if step == measured_step and micro_step == 0:
-                    with self.meter.one_micro_batch():
-                        loss = engine.forward_backward(batch, boundary, forward_context=saved)
-                else:
-                    loss = engine.forward_backward(batch, boundary)
-                if step == 0 and micro_step == 0:
-                    self.meter.after("first_backward")
-                step_loss += loss.float() / accum
-            engine.step()
-            epoch_loss += step_loss
-            if step == 0:
-                self.meter.after("first_step")
-                loss_first = step_loss.item()
-            if step == 0:  # a warm-up step (warmup_steps >= 1): outside the timed window
-                states = engine.model_state_bytes()
-            if steps_per_epoch and experiment.epochs is not None and (step + 1) % steps_per_epoch == 0:
-                losses_by_epoch.append(round(epoch_loss.item() / steps_per_epoch, 5))
-                epoch_loss.zero_()
-            if step == total_steps - 1:
-                loss_last = step_loss.item()
-            elif (step + 1) % experiment.runtime.live_metrics_every == 0 and step >= warmup:
-                loss_value = step_loss.item()  # waits for the device: that makes the window's rate honest
-                rate = self.meter.end_window(step + 1, samples_per_step)
-                now = time.perf_counter()
-                if self.on_progress is not None and now - published_at >= PUBLISH_INTERVAL_S:
-                    published_at = now
-                    with self.meter.untimed():  # its time is not the steps'
-                        self.on_progress(
-                            step + 1,
-                            {
-                                "loss": loss_value,
-                                "samples_per_s": rate,
-                                "peak_allocated_gib": self.meter.peak_so_far_gib(),
-                            },
-                        )
-        timed_steps = total_steps - warmup
-        self.meter.stop_timing(timed_steps, samples_per_step)
-        self.timings["measuring_until"] = time.time()
-        # After the first step and the last: a skipped step (fp16's loss scale overflowing at the start)
-        # creates no optimizer states, and they appear at a later step. Walked after the timed window.
-        states = {k: max(v, states.get(k, 0)) for k, v in engine.model_state_bytes().items()}
-        if self.diagnostics:
-            self.diagnostics.stop_timed()
-        self.phase = "finish"
-        return self._result(
-            engine,
-            model,
-            states,
-            total_steps,
-            loss_first,
-            loss_last,
-            losses_by_epoch,
-            data_bytes,
-            data_source,
-            saved.bytes,
-        )
-
-    def _result(
-        self,
-        engine,
-        model,
-        states,
-        total_steps,
-        loss_first,
-        loss_last,
-        losses_by_epoch,
-        data_bytes,
-        data_source,
-        saved_bytes,
-    ) -> dict[str, Any]:
-        figures = self.meter.result()
-        device_name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
-        # Model FLOPs (counted once, without recomputation): MFU does not credit activation checkpointing.
-        tflops = figures["samples_per_s"] * self.spec.model.flops_per_sample / 1e12
-        peak = peak_tflops(device_name, self.spec.precision) if self.device.type == "cuda" else None
-        return rank_report(
-            {
-                "rank": self.rank,
-                "attempt": self.attempt,
-                "device_name": device_name,
-                # Which GPU: trials that share one take turns on it (ray_zero/train/turn.py).
-                "device_uuid": str(torch.cuda.get_device_properties(self.device).uuid)
-                if self.device.type == "cuda"
-                else None,
-                "steps": total_steps,
-                "loss_first": loss_first,
-                "loss_last": loss_last,
-                "loss_by_epoch": losses_by_epoch,
-                "tflops": tflops,
-                "mfu": tflops / peak if peak else None,
-                "data_bytes": data_bytes,
-                "data_source": data_source,
-                "saved_for_backward_bytes": saved_bytes,  # one micro-batch's activations, counted by autograd
-                "engine_config": engine.config,  # what it was built with (DeepSpeed: its config, key for key)
-                "loss_scale_fix": engine.loss_scale_fix,
-                **figures,
-                **states,
-                **self.timings,
-            }
-        )
+        self.done("turn_wait")
