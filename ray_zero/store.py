@@ -59,6 +59,23 @@ def append_trial(output_dir: Path, row: dict[str, Any]) -> None:
         os.fsync(record.fileno())
 
 
+def repair_trials(output_dir: Path) -> bool:
+    """Cut a half-written last line off trials.jsonl (the sweep's process killed while it wrote a row), so
+    that the next row starts on its own line; whether there was one. That trial has no row: a resumed
+    sweep runs it again."""
+    path = output_dir / TRIALS_FILE
+    if not path.is_file():
+        return False
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return False
+    with open(path, "r+b") as record:
+        record.truncate(data.rfind(b"\n") + 1)
+        record.flush()
+        os.fsync(record.fileno())
+    return True
+
+
 def load_trials(output_dir: Path) -> list[dict[str, Any]]:
     """The latest row of each trial (a half-written last line, from a crash, is skipped)."""
     rows: dict[str, dict[str, Any]] = {}
@@ -86,16 +103,6 @@ def read_provenance(output_dir: Path) -> dict[str, Any] | None:
 def join_storage(storage: str, name: str) -> str:
     """STORAGE/name, for a folder or a URI such as s3://bucket/path."""
     return f"{storage.rstrip('/')}/{name}" if "://" in storage else str(Path(storage) / name)
-
-
-def storage_has(storage: str, name: str) -> bool:
-    """Whether STORAGE/name exists (a folder, or a URI such as s3://bucket/path, via pyarrow)."""
-    from pyarrow import fs
-
-    if "://" not in storage:
-        return Path(join_storage(storage, name)).exists()
-    filesystem, path = fs.FileSystem.from_uri(join_storage(storage, name))
-    return filesystem.get_file_info(path).type != fs.FileType.NotFound
 
 
 def publish(output_dir: Path, storage: str) -> None:

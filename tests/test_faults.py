@@ -24,18 +24,37 @@ def _quick(*overrides: str):
     return load_experiment(ROOT / "experiments" / "quick.yaml", ["steps=4", "warmup_steps=1", *overrides])
 
 
-def test_a_killed_worker_and_an_out_of_memory_rank_are_rows_and_the_sweep_goes_on(ray_instance, tmp_path):
-    # Stage 0's rank 0 kills itself (SIGKILL) at step 2, and no retry is allowed; stage 1's rank 1 raises
-    # torch.cuda.OutOfMemoryError, the type the rank catches on GPUs. Each trial takes both CPUs: with
-    # overlap_startup the second one's driver starts while the first trains.
+BOUND_S = 30.0
+"""The faults sweep's trial bound: a healthy quick trial's own time is 3-10 s on the 2-core machine."""
+
+
+def test_a_hung_rank_a_killed_worker_and_an_out_of_memory_rank_are_rows_and_the_sweep_goes_on(
+    ray_instance, tmp_path
+):
+    # Stage 0's rank 1 stops itself (SIGSTOP) at step 2: its peer waits in a collective, and the trial is
+    # stopped at its bound, a `timeout` row with both ranks' stacks. Stage 1's rank 1 raises
+    # torch.cuda.OutOfMemoryError, the type the rank catches on GPUs. Stage 2's rank 0 kills itself
+    # (SIGKILL) at step 2, and no retry is allowed. Each trial takes both CPUs: with overlap_startup the
+    # next one's driver starts while one trains.
     experiment = _quick(
         "grid.num_workers=[2]",
+        "grid.stage=[0, 1, 2]",
         "runtime.overlap_startup=true",
         "runtime.max_failures=0",
-        "fault=[{kind: sigkill, step: 2, stage: 0}, {kind: oom, step: 2, rank: 1, stage: 1}]",
+        f"runtime.trial_timeout_s={BOUND_S}",
+        "fault=[{kind: sigstop, step: 2, rank: 1, stage: 0}, {kind: oom, step: 2, rank: 1, stage: 1},"
+        " {kind: sigkill, step: 2, stage: 2}]",
     )
     frame = run_sweep(experiment, tmp_path, command="pytest faults").set_index("stage")
-    failed, oom = frame.loc[0], frame.loc[1]
+    hung, oom, failed = frame.loc[0], frame.loc[1], frame.loc[2]
+    assert hung["status"] == "timeout" and "past its bound of 30 s" in hung["error"], hung["error"]
+    record = _row(tmp_path, "stage0_mb64_w2")
+    # Its bound counts from its first rank's start (not its workers' start-up, nor waits for a GPU's turn).
+    assert "rank 1: step" in hung["error"]
+    assert record["fit_finished_at"] - record["ranks_started_at"] < BOUND_S + 30
+    files = record["stacks"]
+    stacks = {rank: (tmp_path / name).read_text() for rank, name in files.items()}
+    assert set(stacks) == {"0", "1"} and all("train" in text for text in stacks.values()), stacks
     assert (
         failed["status"] == "failed"
         and failed["attempts"] == 1
@@ -45,9 +64,13 @@ def test_a_killed_worker_and_an_out_of_memory_rank_are_rows_and_the_sweep_goes_o
     assert "rank 1 out of memory during step 2" in oom["error"]
     assert oom["peak_allocated_gib_max"] > 0.1  # the memory at the failure
     saved = pd.read_csv(tmp_path / "results.csv")
-    assert sorted(saved["status"]) == ["failed", "oom"]
-    first, second = sorted(load_trials(tmp_path), key=lambda row: row["fit_finished_at"])
+    assert sorted(saved["status"]) == ["failed", "oom", "timeout"]
+    first, second, _ = sorted(load_trials(tmp_path), key=lambda row: row["fit_finished_at"])
     assert second["fit_started_at"] < first["fit_finished_at"]  # started early, then waited for the CPUs
+
+
+def _row(folder: Path, trial: str) -> dict:
+    return next(row for row in load_trials(folder) if row["trial"] == trial)
 
 
 def _placed_worker_groups() -> list[str]:

@@ -8,7 +8,7 @@ use_attribute_docstrings).
 from __future__ import annotations
 
 import itertools
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -139,8 +139,9 @@ class Optimizer(StrictModel):
 class Fault(StrictModel):
     """Fault injection, for testing the failure paths on purpose (never set it for measurements)."""
 
-    kind: Literal["oom", "error", "sigkill"]
-    """oom raises torch.cuda.OutOfMemoryError, error a RuntimeError, sigkill kills the worker process."""
+    kind: Literal["oom", "error", "sigkill", "sigstop"]
+    """oom raises torch.cuda.OutOfMemoryError, error a RuntimeError, sigkill kills the worker process,
+    sigstop stops it (a hung rank: the trial's bound, runtime.trial_timeout_s, ends it)."""
     step: int = Field(default=0, ge=0)
     """Optimizer step (0-based) at which the fault fires."""
     rank: int = Field(default=0, ge=0)
@@ -184,6 +185,10 @@ class Runtime(StrictModel):
     max_trials_per_gpu: int = Field(default=6, gt=0)
     """With share_gpus: at most this many trials on one GPU at once (each is a process, with its CUDA
     context and its share of the host's CPUs and memory)."""
+    trial_timeout_s: Union[Literal["auto"], float, None] = "auto"
+    """A trial's bound: past this many seconds of its own (its GPU turns' waits left out) it is stopped,
+    its ranks' stacks kept, and its row says timeout. auto: 600 s, or four times its steps at a
+    pessimistic speed if longer; null: none. The process group's timeout follows it."""
     max_failures: int = Field(default=0, ge=0)
     """Retries of a trial whose worker dies (while training, or while its worker group starts), before it
     is recorded as failed."""
@@ -192,6 +197,14 @@ class Runtime(StrictModel):
     (defaults to the output folder). Must be reachable from every node on a multi-node cluster."""
     live_metrics_every: int = Field(default=5, gt=0)
     """Update the dashboard gauges (and the timed windows' rates) every this many steps."""
+
+    @field_validator("trial_timeout_s", mode="before")
+    @classmethod
+    def _a_bound(cls, value: Any) -> Any:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value not in ("auto", None) and not (number and value > 0):
+            raise ValueError(f"must be auto, a positive number of seconds or null (none), not {value!r}")
+        return float(value) if number else value
 
     @field_validator("storage_path")
     @classmethod

@@ -185,6 +185,9 @@ class Meter:
     def untimed(self) -> Iterator[None]:
         """Around bookkeeping between timed steps (publishing live gauges): its time is left out of the
         timed steps' and of the current window's."""
+        if self._timed_from is None:  # not timing yet: nothing to leave out
+            yield
+            return
         started = time.perf_counter()
         try:
             yield

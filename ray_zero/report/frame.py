@@ -13,7 +13,7 @@ from ray_zero.config import DEFAULT_BUCKET_ELEMENTS
 from ray_zero.rows import SORT_KEYS, aggregate_ranks, finish_row, results_columns
 from ray_zero.schema import TRIAL
 
-NOT_OK = ("oom", "failed", "skipped")  # the statuses of a row without a measurement
+NOT_OK = ("oom", "failed", "timeout", "skipped")  # the statuses of a row without a measurement
 
 def markdown_columns() -> list[str]:
     """results.md: what a reader compares (the registry's `md` view); results.csv has them all."""

@@ -14,7 +14,18 @@ from ray_zero.console import log
 from ray_zero.measure.calibration import read_calibration
 from ray_zero.report.tables import write_pages, write_results
 from ray_zero.rows import finish_row, trial_row
-from ray_zero.store import append_trial, load_trials, publish, read_provenance
+from ray_zero.store import append_trial, atomic_write, load_trials, publish, read_provenance
+
+
+def write_stacks(output_dir: Path, trial: str, stacks: dict[str, str]) -> dict[str, str]:
+    """Each rank's stacks to stacks/TRIAL/rankN.txt; those names, by rank."""
+    folder = output_dir / "stacks" / trial
+    folder.mkdir(parents=True, exist_ok=True)
+    names = {}
+    for rank, text in stacks.items():
+        atomic_write(folder / f"rank{rank}.txt", text)
+        names[rank] = f"stacks/{trial}/rank{rank}.txt"
+    return names
 
 
 def _number(row: dict, key: str, fmt: str) -> str:
@@ -65,6 +76,8 @@ class Recorder:
 
     def record(self, row: dict[str, Any], running: int) -> None:
         row = finish_row(row, read_calibration(self.output_dir))
+        if row.get("stacks"):  # a timed-out trial's ranks' stacks: files beside the tables, named in the row
+            row["stacks"] = write_stacks(self.output_dir, row["trial"], row["stacks"])
         row["recorded_at"] = time.time()  # when the sweep had it: what each trial adds to a sweep (bench/)
         append_trial(self.output_dir, row)
         frame = write_results(self.output_dir, load_trials(self.output_dir), read_provenance(self.output_dir))

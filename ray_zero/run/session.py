@@ -27,16 +27,17 @@ from ray_zero.rows import finish_row, skipped_row
 from ray_zero.run.cluster import joined_cluster, start_ray
 from ray_zero.run.plan import Cluster, Plan, check_model_fits, local_cluster, plan_sweep
 from ray_zero.run.recorder import ResultsWriter
-from ray_zero.run.trial import run_trial, trial_log
+from ray_zero.run.trial import run_trial
+from ray_zero.run.trial_log import trial_log
 from ray_zero.store import (
     EXPERIMENT_FILE,
     TRIALS_FILE,
     append_trial,
     atomic_write,
-    join_storage,
     load_trials,
     publish,
     read_provenance,
+    repair_trials,
 )
 
 DRIVER_MEMORY_BYTES = 256 * 1024**2
@@ -122,6 +123,8 @@ class Session:
         self.fits_checked = fits_checked
 
     def __enter__(self) -> "Session":
+        if self.resume and repair_trials(self.output_dir):
+            log.warning(f"{TRIALS_FILE}: a half-written last row was cut off; its trial runs again")
         context, self.joined = start_ray(self.address, self.verbose)
         try:
             self.cluster = joined_cluster(self.joined) if self.joined else local_cluster()
@@ -189,8 +192,11 @@ class Session:
         )
 
     def record_skipped(self) -> None:
+        """A row for each point the cluster or the engines cannot run (those a resumed sweep lacks)."""
+        recorded = {row["trial"] for row in load_trials(self.output_dir)}
         for point, reason in self.plan.skipped:
-            append_trial(self.output_dir, skipped_row(self.spec(point), reason))
+            if self.spec(point).name not in recorded:
+                append_trial(self.output_dir, skipped_row(self.spec(point), reason))
         write_results(self.output_dir, load_trials(self.output_dir), self.provenance)
 
     def tuner(
@@ -209,16 +215,6 @@ class Session:
         trainable = tune.with_resources(run_trial, {"cpu": 0, "memory": DRIVER_MEMORY_BYTES})
         param_space = {**param_space, "log_name": self.log_name} if search_alg is None else {}
         callbacks = [ResultsWriter(self.output_dir, self.storage, total, on_row)]
-        tune_dir = join_storage(self.storage, tune_name)
-        if self.resume:  # trials that finished keep their rows (trials.jsonl); only the rest run
-            return tune.Tuner.restore(
-                tune_dir,
-                trainable=trainable,
-                resume_unfinished=True,
-                resume_errored=False,
-                restart_errored=True,
-                param_space=param_space,
-            )
         return tune.Tuner(
             trainable,
             param_space=param_space,

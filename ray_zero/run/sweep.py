@@ -7,6 +7,7 @@ lacks, become `skipped` rows.
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -22,7 +23,7 @@ from ray_zero.rows import trial_row
 from ray_zero.run.gpu_sharing import Sharing, gpu_shares, memory_need
 from ray_zero.run.session import Session
 from ray_zero.run.trial import trial_config
-from ray_zero.store import load_trials, storage_has
+from ray_zero.store import load_trials
 
 
 class SweepIncomplete(Exception):
@@ -104,16 +105,15 @@ def run_sweep(
     )
     with session:
         plan = session.plan
-        if not resume:
-            session.record_skipped()
-        # A folder of an earlier version calibrated in a Tuner of its own, before the grid's.
-        calibrated_apart = resume and storage_has(session.storage, "tune-calibration")
-        calibrating = (
-            calibration_specs(session)
-            if calibration.wanted(session.experiment, plan.use_gpu) and not calibrated_apart
-            else []
-        )
-        specs, sharing = shared(session, calibrating + [session.spec(p) for p in plan.runnable])
+        session.record_skipped()
+        # A resumed sweep, whatever killed the first (Ctrl-C, SIGKILL, a lost head node), runs the points
+        # without a row in trials.jsonl, in a Tuner of its own: the record of what finished is trials.jsonl,
+        # not Tune's state (which a SIGKILL can leave behind it, or ahead of it).
+        recorded = {row["trial"] for row in load_trials(session.output_dir)}
+        wanted = calibration.wanted(session.experiment, plan.use_gpu)
+        calibrating = calibration_specs(session) if wanted else []
+        every = calibrating + [session.spec(p) for p in plan.runnable]
+        specs, sharing = shared(session, [s for s in every if s.name not in recorded])
         if sharing is not None:
             at_once = sharing.describe(session.cluster.gpus)
         else:
@@ -122,23 +122,25 @@ def run_sweep(
             at_once = f"up to {plan.max_concurrent_trials} at once{early} on {device}"
         if not resume:
             session.record_scheduling(at_once)
+        pending = [s.name for s in calibrating if s.name not in recorded]
         log.info(
             f"{len(plan.runnable)} trials ({len(plan.skipped)} skipped"
-            f"{f', {len(calibrating)} calibrating activations first' if calibrating else ''}), {at_once}, "
-            f"{plan.precision}; results in {session.output_dir}"
+            f"{f', {len(pending)} calibrating activations first' if pending else ''})"
+            f"{f', {len(specs)} to run' if resume else ''}, {at_once}, {plan.precision}; "
+            f"results in {session.output_dir}"
         )
-        total = len(specs) + len(plan.skipped) + (
-            len(calibration_specs(session)) if calibrated_apart else 0
-        )
+        total = len(every) + len(plan.skipped)
         drivers = None
         if sharing is not None:  # one driver more than can hold GPUs: the next is ready when one ends
             drivers = min(sharing.at_once + 1, session.experiment.runtime.max_concurrent_trials or 10**6)
-        session.tuner(
-            {"trial": tune.grid_search([trial_config(spec) for spec in specs])},
-            total,
-            max_concurrent=drivers,
-            on_row=CalibrationRecorder(session, {s.name for s in calibrating}),
-        ).fit()
+        if specs:
+            session.tuner(
+                {"trial": tune.grid_search([trial_config(spec) for spec in specs])},
+                total,
+                max_concurrent=drivers,
+                on_row=CalibrationRecorder(session, {s.name for s in calibrating}),
+                tune_name=f"tune-resumed-{int(time.time())}" if resume else "tune",
+            ).fit()
         frame = session.finish()
         if len(frame) < total:  # Tune stops early on Ctrl-C or SIGTERM, after saving its state
             raise SweepIncomplete(len(frame), total)

@@ -3,17 +3,18 @@
 Three layers, as in Ray Train V2's documented pattern: `train_loop` runs on every worker (a rank);
 `run_trial` is the Tune function trainable that builds the TorchTrainer and calls `fit()` (the driver);
 the Tuner is in ray_zero/run/session.py. Ray's own TuneReportCallback forwards rank 0's metrics only: the
-public `UserCallback.after_report` receives every rank's, and puts them on the sweep's `TrialLog` actor,
-which also counts each rank's attempts. Public Ray API only.
+public `UserCallback.after_report` receives every rank's, and puts them on the sweep's trial log
+(ray_zero/run/trial_log.py), which also counts each rank's attempts and follows its phases: past its bound
+(ray_zero/run/watchdog.py) a trial is stopped. Public Ray API only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
-from collections import defaultdict
-from typing import Any, Optional
+from typing import Any
 
 import ray
 from ray import tune
@@ -30,44 +31,21 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from ray_zero.config import TrialSpec
 from ray_zero.rows import aggregate_ranks, failed_row_fields, trial_row
+from ray_zero.run.watchdog import (
+    keep_stacks_on_signal,
+    lost_nodes,
+    timeout_fields,
+    trial_bound_s,
+    unplaceable,
+    watch,
+)
 from ray_zero.schema import rank_report
 from ray_zero.store import join_storage
-
-
-@ray.remote(num_cpus=0)
-class TrialLog:
-    """The sweep's record of what its trials' ranks said, by trial: how often each rank started (its
-    attempt number) and the last report of all ranks. One actor for the whole sweep, looked up by name."""
-
-    def __init__(self):
-        self._starts: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
-        self._reports: dict[str, list[list[dict]]] = defaultdict(list)
-
-    def started(self, trial: str, rank: int) -> int:
-        self._starts[trial][rank] += 1
-        return self._starts[trial][rank]
-
-    def reported(self, trial: str, ranks: list[dict]) -> None:
-        self._reports[trial].append(ranks)
-
-    def take(self, trial: str) -> tuple[Optional[list[dict]], int]:
-        """The last all-rank report and the number of attempts that started, forgotten after."""
-        starts = self._starts.pop(trial, {})
-        reports = self._reports.pop(trial, [])
-        return (reports[-1] if reports else None), max(starts.values(), default=0)
-
-    def take_reports(self, trial: str) -> list[list[dict]]:
-        """Every all-rank report since the last call (a search reports once per probe), forgotten after."""
-        return self._reports.pop(trial, [])
 
 
 def trial_config(spec: TrialSpec) -> dict[str, Any]:
     """A trial's entry in Tune's config: the spec, and its name as a string Tune can show."""
     return {"spec": spec, "name": spec.name}
-
-
-def trial_log(name: str):
-    return TrialLog.options(name=name, get_if_exists=True, lifetime=None).remote()
 
 
 class AllRanksCallback(UserCallback):
@@ -92,9 +70,14 @@ def train_loop(config: dict[str, Any]) -> None:
     from ray_zero.train.worker import train
 
     spec: TrialSpec = config["spec"]
+    log, key = config["log"], config["log_key"]
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    attempt = ray.get(config["log"].started.remote(config["log_key"], rank))
+    node = ray.get_runtime_context().get_node_id()
+    attempt = ray.get(log.started.remote(key, rank, node, os.getpid()))
+    if ray.get(log.stopped.remote(key)):  # a retry of a trial stopped past its bound: nothing to do
+        raise RuntimeError("the trial was stopped past its bound (runtime.trial_timeout_s)")
+    stacks = keep_stacks_on_signal(key, rank)  # noqa: F841  open while the rank lives
     diagnostics = None
     if spec.diagnostics:
         from ray_zero.measure.diagnostics import Diagnostics
@@ -120,10 +103,20 @@ def train_loop(config: dict[str, Any]) -> None:
             if value is not None:
                 gauges[name].set(value, tags=tags)
 
+    def phase(name: str) -> None:  # not waited for: a handful a trial, and at most one a second
+        log.phase.remote(key, rank, name)
+
     metrics = train(
-        spec, rank, world_size, device, attempt=attempt, on_progress=publish, diagnostics=diagnostics
+        spec,
+        rank,
+        world_size,
+        device,
+        attempt=attempt,
+        on_progress=publish,
+        on_phase=phase,
+        diagnostics=diagnostics,
     )
-    metrics["node_id"] = ray.get_runtime_context().get_node_id()
+    metrics["node_id"] = node
     metrics["pid"] = os.getpid()  # the rank's process, as the Ray dashboard lists it
     if diagnostics:
         metrics["diagnostics"] = diagnostics.result()
@@ -170,10 +163,14 @@ def torch_trainer(
     # A share of a GPU under 1: the trial starts beside others on one GPU (ray_zero/run/gpu_sharing.py).
     gpus = {"GPU": spec.gpu_share} if spec.use_gpu else {}
     resources = {"CPU": experiment.runtime.cpus_per_worker, **gpus}
+    bound = trial_bound_s(spec)
     return TorchTrainer(
         loop,
         train_loop_config=loop_config,
-        torch_config=TorchConfig(backend="nccl" if spec.use_gpu else "gloo"),
+        # The process group gives up on a collective at the trial's bound too (Ray Train's default: 30 min).
+        torch_config=TorchConfig(
+            backend="nccl" if spec.use_gpu else "gloo", **({"timeout_s": int(bound) + 60} if bound else {})
+        ),
         scaling_config=ScalingConfig(
             num_workers=point.num_workers,
             use_gpu=spec.use_gpu,
@@ -202,8 +199,10 @@ def run_trial(config: dict[str, Any]) -> None:
     trial_key = spec.name + context.get_trial_id()  # the trial log's key: built here only, passed on
     log = ray.get_actor(config["log_name"])
     row = trial_row(spec)
+    bound = trial_bound_s(spec)
     fit_started_at = time.time()
-    for alone in (False, True):
+    impossible = unplaceable(spec)
+    for alone in () if impossible else (False, True):
         run_spec = dataclasses.replace(spec, gpu_share=1.0) if alone else spec
         trainer = torch_trainer(
             train_loop,
@@ -214,14 +213,25 @@ def run_trial(config: dict[str, Any]) -> None:
             trial_key,
             spec.experiment.runtime.max_failures,
         )
-        try:
-            trainer.fit()
+        outcome: dict[str, Any] = {}
+        fit = threading.Thread(target=_fit, args=(trainer, outcome), name=spec.name, daemon=True)
+        fit.start()
+        timed_out = watch(fit, log, trial_key, bound)
+        if timed_out is not None:
+            row.update(timeout_fields(timed_out, bound))
+            break
+        if "error" in outcome:
+            row.update(failure_fields(outcome["error"]))
+            lost = lost_nodes(ray.get(log.progress.remote(trial_key)))
+            if lost:  # the row names the node the trial lost
+                row["error"] = f"node {', '.join(lost)} was lost; {row['error']}"
+        else:
             row.update(status="ok", error=None)
-        except TrainingFailedError as error:
-            row.update(failure_fields(error))
         if row["status"] != "oom" or run_spec.gpu_share >= 1.0:
             break
         row["oom_while_sharing"] = row["error"]  # and the trial runs again, alone
+    if impossible:
+        row.update(status="failed", error=impossible)
     fit_finished_at = time.time()
     reports, attempts = ray.get(log.take.remote(trial_key))
     row["attempts"] = attempts
@@ -251,9 +261,17 @@ def run_trial(config: dict[str, Any]) -> None:
     tune.report(_for_tune(row))
 
 
+def _fit(trainer: TorchTrainer, outcome: dict[str, Any]) -> None:
+    """The run, in a thread beside its watchdog; how it failed, if it did, in `outcome`."""
+    try:
+        trainer.fit()
+    except TrainingFailedError as error:
+        outcome["error"] = error
+
+
 def _for_tune(row: dict[str, Any]) -> dict[str, Any]:
     """Tune's results hold flat values: the per-rank lists travel as one JSON string."""
     import json
 
-    nested = {k: row.pop(k) for k in ("per_rank", "diagnostics", "loss_by_epoch") if k in row}
+    nested = {k: row.pop(k) for k in ("per_rank", "diagnostics", "loss_by_epoch", "stacks") if k in row}
     return {**row, "nested_json": json.dumps(nested, default=str)}

@@ -37,7 +37,7 @@ TRIAL = Registry(
         column("params", int, "parameters", T, "its parameter count (on the meta device, before Ray starts)", heading="params", hint="parameters", views={PAGE}, place=9),
         column("dataset", str, "", T, "mnist (presets) or synthetic (random batches shaped for the model)", heading="dataset", hint="dataset", views={PAGE}, place=10),
         column("steps", int, "", T, "optimizer steps", heading="steps", hint="optimizer steps", how="first", of="steps", views={PAGE}, place=11),
-        column("status", str, "", T, "ok; oom (out of memory: the memory at the failure is in the row); failed (with error, after runtime.max_failures retries); skipped (needs more workers than the cluster has, or an engine lacks the stage)", heading="status", hint="ok, oom (out of memory), failed or skipped", views={PAGE, MD, CONSOLE}, place=12),
+        column("status", str, "", T, "ok; oom (out of memory: the memory at the failure is in the row); failed (with error, after runtime.max_failures retries); timeout (stopped past runtime.trial_timeout_s, in the phase error names; its ranks' stacks in stacks/TRIAL/); skipped (needs more workers than the cluster has, or an engine lacks the stage)", heading="status", hint="ok, oom (out of memory), failed or skipped", views={PAGE, MD, CONSOLE}, place=12),
         column("loss_first", float, "", T, "training loss of the first step", how="mean", of="loss_first"),
         column("loss_last", float, "", T, "training loss of the last step", heading="loss", hint="loss at the first step -> the last, mean over ranks (sorts by the last)", how="mean", of="loss_last", views={PAGE, MD, CONSOLE}, place=13),
         column("samples_per_s", float, "samples/s", T, "over the timed steps only (warm-up excluded, the device synchronised before the clock is read)", heading="samples/s", hint="timed steps, summed over ranks", how="sum", of="samples_per_s", views={PAGE, MD, CONSOLE}, place=14),
@@ -95,6 +95,8 @@ TRIAL = Registry(
         column("run", str, "", R, "fit: the Ray Train run the probe ran in"),
         column("search_started_at", float, "s", R, "fit: when the probe's search began"),
         column("first_guess", int, "", R, "fit: the micro-batch the search started from"),
+        column("ranks_started_at", float, "s", R, "timeout: when the trial's first rank began (its bound counts from there)"),
+        column("stacks", dict, "", R, "timeout: each rank's stack file, by rank (stacks/TRIAL/rankN.txt)"),
         # every rank
         column("per_rank", list, "", R, "every rank's report (per_rank.csv's rows)"),
         column("diagnostics", list, "", R, "--diagnostics: every rank's host figures (diagnostics.csv's rows)"),

@@ -53,7 +53,7 @@ def inject_fault(spec: TrialSpec, rank: int, step: int, attempt: int) -> None:
         )
     if fault.kind == "error":
         raise RuntimeError(f"injected error (ray_zero's fault option at {where})")
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "sigstop" else signal.SIGKILL)
 
 
 def train_steps(run, engine, data: Data) -> dict[str, Any]:

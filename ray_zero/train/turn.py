@@ -23,6 +23,8 @@ from typing import Iterator, Optional
 
 import torch
 
+TURN_WAIT = "waiting for the GPU's turn"
+"""A rank's phase while it waits (a trial's bound does not count it: ray_zero/run/trial_log.py)."""
 TURN_DIR_ENV = "RAY_ZERO_TURN_DIR"
 """Where the lock files live (default: the system's temporary folder, ray_zero-turns)."""
 

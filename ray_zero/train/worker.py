@@ -27,7 +27,7 @@ from ray_zero.train.engine_base import Engine
 from ray_zero.train.engines import build_engine
 from ray_zero.train.settings import EngineSettings
 from ray_zero.train.steps import Data, train_steps
-from ray_zero.train.turn import MeasurementTurn, gpu_turn
+from ray_zero.train.turn import TURN_WAIT, MeasurementTurn, gpu_turn
 
 ProgressFn = Callable[[int, dict[str, float]], None]
 SYNTHETIC_BATCHES = 4
@@ -69,11 +69,14 @@ def train(
     diagnostics=None,
     model: Optional[ModelSpec] = None,
     turn: Optional[MeasurementTurn] = None,
+    on_phase: Optional[Callable[[str], None]] = None,
 ) -> dict[str, Any]:
     """Train one rank of one trial and return this rank's measurements (a flat dict). `model`: the model
     to train, already built (fit's probes reuse one); by default the rank builds the experiment's, on its
     device. `turn`: the device's measurement turn, taken before the first warm-up step and handed on once
-    the engine has let go of its memory (default: the GPU's, ray_zero/train/turn.py; none on CPU)."""
+    the engine has let go of its memory (default: the GPU's, ray_zero/train/turn.py; none on CPU).
+    `on_phase(name)`: told where the rank is (model build, ..., step N at most once a second), for a
+    watchdog that must say where a trial hung."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_ops_dir())
     if device.type == "cpu":
         # `import deepspeed` sets PYTORCH_NVML_BASED_CUDA_CHECK=1; without a GPU torch's optimizers then
@@ -83,7 +86,7 @@ def train(
         torch.cuda.set_device(device)
     meter = Meter(device)
     run = _Run(spec, rank, world_size, device, attempt, meter, on_progress, diagnostics, model)
-    run.turn = turn or gpu_turn(device)
+    run.turn, run.on_phase = turn or gpu_turn(device), on_phase
     try:
         return run.train()
     except torch.cuda.OutOfMemoryError as error:
@@ -109,10 +112,25 @@ class _Run:
             on_progress,
             diagnostics,
         )
-        self.phase = "start"
+        self.on_phase: Optional[Callable[[str], None]] = None
+        self._phase, self._phase_told_at = "start", float("-inf")
         self.turn: Optional[MeasurementTurn] = None
         self.timings: dict[str, float] = {}
         self._since = time.perf_counter()
+
+    @property
+    def phase(self) -> str:
+        """Where the rank is: an OOM message says it, and `on_phase` is told (steps at most once a second)."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, name: str) -> None:
+        self._phase = name
+        now = time.monotonic()
+        if self.on_phase is not None and (not name.startswith("step ") or now - self._phase_told_at >= 1.0):
+            self._phase_told_at = now
+            with self.meter.untimed():  # between timed steps: its time is not theirs
+                self.on_phase(name)
 
     def done(self, phase: str, memory_phase: Optional[str] = None) -> None:
         """Close a set-up phase: its duration, the memory after it, its diagnostics mark."""
@@ -198,7 +216,7 @@ class _Run:
         their warm-up together."""
         if self.turn is None:
             return
-        self.phase = "waiting for the GPU's turn"
+        self.phase = TURN_WAIT
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.turn.acquire()
