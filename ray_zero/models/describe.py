@@ -11,9 +11,10 @@
 
 `describe_model` builds the model on the meta device (no memory) and counts its parameters (trainable and
 frozen, tensor by tensor: what the engines partition) and its training FLOPs with torch's
-FlopCounterMode; `build_model_spec` builds it for real on the CPU. Nothing is downloaded, transformers
-and timm are imported only for their sources, and every bad input raises one ModelError line. No Ray,
-no DeepSpeed here.
+FlopCounterMode (ray_zero/models/counting.py: where an operator has no meta kernel, on a real CPU
+instance, or parameters without FLOPs, as the description says); `build_model_spec` builds it for real on
+the CPU. Nothing is downloaded, transformers and timm are imported only for their sources, and every bad
+input raises one ModelError line. No Ray, no DeepSpeed here.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
+from ray_zero.models.counting import built_on_meta_or_cpu, flops_and_saved
 from ray_zero.models.factory_source import FACTORY, build_factory
 from ray_zero.models.hf_source import DEFAULT_SEQ_LEN, build_hf  # noqa: F401 (DEFAULT_SEQ_LEN: part of this module's API)
 from ray_zero.models.presets import IMAGE_SIZE, NUM_CLASSES, PRESETS, ModelPreset
@@ -40,7 +41,7 @@ from ray_zero.models.source import (  # noqa: F401
     one_line,
     refuse,
 )
-from ray_zero.models.spec import Batch, ModelSpec
+from ray_zero.models.spec import ModelSpec
 from ray_zero.models.timm_source import build_timm
 
 ALLOWED_FORMS = (
@@ -133,15 +134,16 @@ def describe_model(
     waiting for them."""
     source = ModelSource.of(source, model_config, seq_len, input_shape, num_classes)
     model = source.model
-    with torch.device("meta"):
-        built = _build(source, counting=True)
+    # On the meta device; a model an operator without a meta kernel stops there is counted on the CPU,
+    # and its description says so (ray_zero/models/counting.py).
+    built, counted = built_on_meta_or_cpu(lambda: _build(source, counting=True))
     module = built.spec.module
     params = list(module.parameters())  # unique Parameter objects: tied embeddings count once
     count = sum(p.numel() for p in params)
     if check_params is not None:
         check_params(count)
     frozen = sum(p.numel() for p in params if not p.requires_grad)
-    flops, saved = _count_one_sample(model, built.spec)
+    flops, saved = flops_and_saved(model, built.spec, counted, lambda: _build(source, counting=True).spec)
     blocks = built.spec.blocks
     largest_block = max(sum(p.numel() for p in block.parameters()) for block in blocks) if blocks else None
     frozen_note = f" ({frozen:,} of them frozen)" if frozen else ""
@@ -155,7 +157,9 @@ def describe_model(
         saved_bytes_per_sample=saved,
         seq_len=built.seq_len,
         max_positions=built.max_positions,
-        description=f"{type(module).__name__} ({model}), {count:,} parameters{frozen_note}{built.detail}",
+        description=f"{type(module).__name__} ({model}), {count:,} parameters{frozen_note}"
+        + built.detail
+        + counted.note,
         trainable_param_shapes=tuple(tuple(p.shape) for p in params if p.requires_grad),
         frozen_param_shapes=tuple(tuple(p.shape) for p in params if not p.requires_grad),
         largest_block_params=largest_block,
@@ -219,66 +223,3 @@ def _preset(name, config, seq_len, input_shape, num_classes) -> Built:
     spec = classifier_spec(module, shape, NUM_CLASSES, blocks, checkpoint_blocks(blocks))
     return Built(spec, "preset", "image-classification", detail=image_detail(shape, NUM_CLASSES))
 
-
-def _count_one_sample(source: str, spec: ModelSpec) -> tuple[float, int]:
-    """FlopCounterMode's count of one forward + backward of a 1-sample batch, all on the meta device, and
-    the bytes autograd saved for that backward (each storage once, parameters left out: the activations
-    of one sample, as ray_zero.measure.meter.SavedForBackward counts them on a rank, in the dtype the model is
-    built in). The batch is made on the CPU (no meta generator exists) and moved to meta. Two samples,
-    halved: BatchNorm refuses one sample where a feature map is 1x1 (a ResNet on 32x32 images)."""
-    batch = _to_device(
-        spec.make_batch(SAMPLES, torch.device("cpu"), torch.Generator().manual_seed(0)), "meta"
-    )
-    # Meta storages have no data pointer: a storage is known by its StorageImpl's address (_cdata).
-    seen = {p.untyped_storage()._cdata for p in spec.module.parameters()}
-    saved = 0
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        base = tensor._base if tensor._base is not None else tensor
-        storage = tensor.untyped_storage()
-        if (
-            not isinstance(base, nn.Parameter)
-            and not _gathered_weights(tensor)
-            and storage._cdata not in seen
-        ):
-            seen.add(storage._cdata)
-            saved += storage.nbytes()
-        return tensor
-
-    try:
-        with (
-            FlopCounterMode(display=False) as counter,
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-        ):
-            spec.loss(spec.module, batch).backward()
-    except Exception as error:
-        raise ModelError(
-            f"a forward and backward of one sample of {source} failed on the meta device: {one_line(error)}"
-        ) from None
-    return float(counter.get_total_flops()) / SAMPLES, saved // SAMPLES
-
-
-SAMPLES = 2
-"""The batch _count_one_sample counts, divided by it."""
-
-
-def _gathered_weights(tensor: torch.Tensor) -> bool:
-    """Rows of a parameter indexed out (batched_mm's per-token copies of its experts' weights): counting's
-    stand-in for the grouped_mm that trains, which keeps no such copies."""
-    function = tensor.grad_fn
-    return (
-        function is not None
-        and type(function).__name__ == "IndexBackward0"
-        and any(type(parent).__name__ == "AccumulateGrad" for parent, _ in function.next_functions)
-    )
-
-
-def _to_device(batch: Batch, device) -> Batch:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {key: _to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(value, device) for value in batch)
-    return batch

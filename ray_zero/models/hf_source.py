@@ -96,7 +96,10 @@ def build_hf(model_type: str, config: dict, seq_len, input_shape, num_classes, c
         hf_config = AutoConfig.for_model(model_type, **config)
     except Exception as error:
         raise ModelError(f"building {source} with model_config {config} failed: {one_line(error)}") from None
-    max_positions = getattr(hf_config, "max_position_embeddings", None) if task in TOKEN_TASKS else None
+    text_config = _text_config(hf_config)
+    max_positions = getattr(text_config, "max_position_embeddings", None) if task in TOKEN_TASKS else None
+    if not isinstance(max_positions, int) or max_positions < 1:  # XLNet's -1: no limit
+        max_positions = None
     if max_positions is not None:
         seq_len = seq_len or min(DEFAULT_SEQ_LEN, max_positions)
         if seq_len > max_positions:
@@ -108,7 +111,8 @@ def build_hf(model_type: str, config: dict, seq_len, input_shape, num_classes, c
     if task == "seq2seq-lm" and getattr(hf_config, "decoder_start_token_id", None) is None:
         # T5's configuration class leaves it unset (its checkpoints say 0): T5 starts decoding from its pad
         # token.
-        hf_config.decoder_start_token_id = hf_config.pad_token_id
+        pad = getattr(text_config, "pad_token_id", None)
+        hf_config.decoder_start_token_id = pad if isinstance(pad, int) else 0
     # Training keeps no key/value cache. Counting on meta keeps it: without a cache Transformers
     # checks the positions for packed sequences, a data-dependent test that meta tensors cannot answer.
     if hasattr(hf_config, "use_cache"):
@@ -130,10 +134,7 @@ def build_hf(model_type: str, config: dict, seq_len, input_shape, num_classes, c
         else (blocks and checkpoint_blocks(blocks))
     )
     if task == "image-classification":
-        size = hf_config.image_size
-        shape = tuple(
-            input_shape or (hf_config.num_channels, *((size, size) if isinstance(size, int) else size))
-        )
+        shape = tuple(input_shape or _image_shape(hf_config))
         spec = classifier_spec(
             module,
             shape,
@@ -148,9 +149,9 @@ def build_hf(model_type: str, config: dict, seq_len, input_shape, num_classes, c
     ]
     if task == "causal-lm":
         module.loss_type = "ForCausalLM"  # says so, instead of Transformers warning that it guessed
-    tokens = dict(vocab=hf_config.vocab_size, seq_len=seq_len)
+    tokens = dict(vocab=text_config.vocab_size, seq_len=seq_len)
     if task == "masked-lm":
-        tokens["mask_id"] = _mask_id(hf_config)
+        tokens["mask_id"] = _mask_id(text_config)
     spec = ModelSpec(module, functools.partial(make_batch, **tokens), _loss, blocks, enable)
     detail = f", seq_len {seq_len}" + (" (source and target)" if task == "seq2seq-lm" else "")
     return Built(spec, "hf", task, seq_len, max_positions, detail=detail)
@@ -187,6 +188,35 @@ def _loss(model, batch) -> torch.Tensor:
     if isinstance(batch, torch.Tensor):
         return model(input_ids=batch, labels=batch).loss.float()
     return model(**batch).loss.float()
+
+
+def _text_config(hf_config):
+    """The configuration of the model's text part: a vision- or audio-language model's text_config
+    (Gemma 3, Llama 4, Qwen2-Audio: their vocabulary, positions and pad token are there), else the
+    configuration itself."""
+    try:
+        text = hf_config.get_text_config(decoder=True)
+    except (AttributeError, TypeError, ValueError):
+        return hf_config
+    return text if hasattr(text, "vocab_size") else hf_config
+
+
+def _image_shape(hf_config) -> tuple[int, ...]:
+    """Channels, height, width: the configuration's image_size and num_channels, else its vision_config's
+    (CLIP, SigLIP), else IMAGE_DEFAULTS' (convolutional networks such as ResNet and RegNet name no size:
+    any size trains them)."""
+    vision = getattr(hf_config, "vision_config", None)
+
+    def find(key):
+        values = (getattr(c, key, None) for c in (hf_config, vision) if c is not None)
+        return next((v for v in values if v is not None), IMAGE_DEFAULTS[key])
+
+    size = find("image_size")
+    return (find("num_channels"), *((size, size) if isinstance(size, int) else size))
+
+
+IMAGE_DEFAULTS = {"image_size": 224, "num_channels": 3}
+"""An image classifier's input where its configuration names none: ImageNet's 3x224x224."""
 
 
 def _mask_id(hf_config) -> int:
