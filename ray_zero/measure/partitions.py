@@ -6,7 +6,8 @@ code and checked tensor by tensor on 2 CPU ranks (tests/test_zoo.py):
 * DeepSpeed ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py, 0.19.8): the trainable parameters,
   flattened in the module's order into one buffer padded to a multiple of 2N elements, split into N
   equal partitions. A rank steps its partition, but its gradient buffer (`grads_in_partition`) holds
-  every tensor that overlaps the partition, whole: a large embedding across a boundary is held twice.
+  every tensor that overlaps the partition, whole: a large embedding across a boundary is held twice;
+  the last rank's gradients also hold the padding.
 * DeepSpeed ZeRO-3: each tensor split N ways (ceil(numel / N) elements per rank). Parameters of at
   most `stage3_param_persistence_threshold` elements (1e5 by default; ray_zero's config leaves it) are
   also kept whole on every rank, beside their partition (at N > 1: at one rank the two are one).
@@ -64,9 +65,11 @@ def held(
     backend: str,
     stage: int,
     num_workers: int,
+    unreached: Sequence[int] = (),
 ) -> Held:
-    """The elements each engine's fullest rank holds for parameters of these shapes (module order)."""
-    return _rule(backend).held(trainable_shapes, frozen_shapes, stage, num_workers)
+    """The elements each engine's fullest rank holds for parameters of these shapes (module order);
+    `unreached`: indices of the trainable ones the loss does not reach (ModelInfo.unreached_params)."""
+    return _rule(backend).held(trainable_shapes, frozen_shapes, stage, num_workers, frozenset(unreached))
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class _Rule:
 
     sharded: Callable[[int], frozenset[str]]
     """Stage -> which of params, gradients, states it splits N ways."""
-    held: Callable[[Sequence[Shape], Sequence[Shape], int, int], Held]
+    held: Callable[[Sequence[Shape], Sequence[Shape], int, int, frozenset[int]], Held]
 
 
 def _replicated(trainable_shapes, frozen_shapes) -> Held:
@@ -83,12 +86,12 @@ def _replicated(trainable_shapes, frozen_shapes) -> Held:
     return Held(params=t + sum(math.prod(s) for s in frozen_shapes), gradients=t, states=t, trainable=t)
 
 
-def _deepspeed(trainable_shapes, frozen_shapes, stage: int, n: int) -> Held:
+def _deepspeed(trainable_shapes, frozen_shapes, stage: int, n: int, unreached=frozenset()) -> Held:
     trainable = [math.prod(s) for s in trainable_shapes]
     every = trainable + [math.prod(s) for s in frozen_shapes]
     t, p = sum(trainable), sum(every)
     if stage in (1, 2):
-        partition, gradients = _zero12_partitions(trainable, n)
+        partition, gradients = _zero12_partitions(trainable, n, unreached)
         return Held(params=partition * n + p - t, gradients=gradients, states=partition, trainable=t)
     if stage == 3:
         split = sum(math.ceil(s / n) for s in trainable)
@@ -100,7 +103,7 @@ def _deepspeed(trainable_shapes, frozen_shapes, stage: int, n: int) -> Held:
     return _replicated(trainable_shapes, frozen_shapes)
 
 
-def _torch_zero(trainable_shapes, frozen_shapes, stage: int, n: int) -> Held:
+def _torch_zero(trainable_shapes, frozen_shapes, stage: int, n: int, unreached=frozenset()) -> Held:
     replicated = _replicated(trainable_shapes, frozen_shapes)
     if stage == 1:
         states = _greedy_largest([math.prod(s) for s in trainable_shapes], n)
@@ -108,10 +111,12 @@ def _torch_zero(trainable_shapes, frozen_shapes, stage: int, n: int) -> Held:
     return replicated
 
 
-def _fsdp(trainable_shapes, frozen_shapes, stage: int, n: int) -> Held:
+def _fsdp(trainable_shapes, frozen_shapes, stage: int, n: int, unreached=frozenset()) -> Held:
     rows = _fsdp_rows(trainable_shapes, n)
+    # A parameter the loss does not reach gets no gradient, and torch's Adam no states for it.
+    reached = _fsdp_rows([s for i, s in enumerate(trainable_shapes) if i not in unreached], n)
     t = sum(math.prod(s) for s in trainable_shapes)
-    return Held(params=rows + _fsdp_rows(frozen_shapes, n), gradients=rows, states=rows, trainable=t)
+    return Held(params=rows + _fsdp_rows(frozen_shapes, n), gradients=reached, states=reached, trainable=t)
 
 
 ALL, NONE = frozenset({"params", "gradients", "states"}), frozenset()
@@ -134,16 +139,22 @@ def _rule(backend: str) -> _Rule:
     return PARTITION_RULES[backend]
 
 
-def _zero12_partitions(sizes: list[int], n: int) -> tuple[int, int]:
-    """ZeRO-1/2's partition size, and the most elements of whole tensors overlapping one partition."""
+def _zero12_partitions(sizes: list[int], n: int, unreached=frozenset()) -> tuple[int, int]:
+    """ZeRO-1/2's partition size, and the most gradient elements one rank holds: the whole tensors
+    overlapping its partition, and on the last rank the zeros that pad the flat buffer to 2N elements
+    (get_flat_partition appends them to its gradients: a model of an odd number of parameters, timm's
+    RexNet, holds one more element at one rank). A tensor the loss does not reach (`unreached`) is
+    counted twice: its place in the buffer, and the zeros get_all_grad_tensors makes for it."""
     alignment = DEEPSPEED_ALIGNMENT * n
     partition = math.ceil(sum(sizes) / alignment) * alignment // n
+    padding = partition * n - sum(sizes)
     most = 0
     for rank in range(n):
-        low, high, start, overlapping = rank * partition, (rank + 1) * partition, 0, 0
-        for size in sizes:  # stage_1_and_2.get_partition_info: starts inside, or straddles the start
+        low, high, start = rank * partition, (rank + 1) * partition, 0
+        overlapping = padding if rank == n - 1 else 0
+        for index, size in enumerate(sizes):  # get_partition_info: starts inside, or straddles the start
             if low <= start < high or start < low < start + size:
-                overlapping += size
+                overlapping += size * (2 if index in unreached else 1)
             start += size
         most = max(most, overlapping)
     return partition, most

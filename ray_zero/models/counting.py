@@ -63,10 +63,10 @@ def built_on_meta_or_cpu(build: Callable[[], object]) -> tuple[object, Counted]:
 
 def flops_and_saved(
     source: str, spec: ModelSpec, counted: Counted, real_spec: Callable[[], ModelSpec]
-) -> tuple[float, int]:
-    """FLOPs and saved bytes per sample of `spec` (on the device its parameters are on). Where the forward
-    or backward has no meta kernel: of `real_spec()` on the CPU if small enough (the note says so), else
-    (0.0, 0) and the note says they were not counted."""
+) -> tuple[float, int, tuple[int, ...]]:
+    """FLOPs, saved bytes per sample and unreached parameters of `spec` (count_one_sample, on the device
+    its parameters are on). Where the forward or backward has no meta kernel: of `real_spec()` on the CPU
+    if small enough (the note says so), else (0.0, 0, ()) and the note says they were not counted."""
     device = next((p.device for p in spec.module.parameters()), torch.device("cpu"))
     try:
         return count_one_sample(source, spec, device)
@@ -80,7 +80,7 @@ def flops_and_saved(
             f"; parameters counted on meta, FLOPs and activations not counted ({reason}; a real instance "
             f"would take {size / 2**30:.1f} GiB)"
         )
-        return 0.0, 0
+        return 0.0, 0, ()
     counted.note = f"; FLOPs and activations counted on a real CPU instance ({reason})"
     return count_one_sample(source, real_spec(), torch.device("cpu"))
 
@@ -94,11 +94,15 @@ def _reason(error: BaseException) -> str:
     return text.split(" failed: ")[-1].split(" raised ")[-1][:100] + " on meta"
 
 
-def count_one_sample(source: str, spec: ModelSpec, device: torch.device) -> tuple[float, int]:
+def count_one_sample(
+    source: str, spec: ModelSpec, device: torch.device
+) -> tuple[float, int, tuple[int, ...]]:
     """FlopCounterMode's count of one forward + backward of a SAMPLES batch on `device` (meta, or the
-    CPU for the fallback), and the bytes autograd saved for that backward (each storage once, parameters
+    CPU for the fallback), the bytes autograd saved for that backward (each storage once, parameters
     left out: the activations of one sample, as ray_zero.measure.meter.SavedForBackward counts them on a
-    rank, in the dtype the model is built in). The batch is made on the CPU (no meta generator exists)."""
+    rank, in the dtype the model is built in), and the trainable parameters (indices, module order) that
+    got no gradient: the loss does not reach them (a pooler a masked LM skips, a vision-language model's
+    vision tower under text). The batch is made on the CPU (no meta generator exists)."""
     batch = to_device(spec.make_batch(SAMPLES, torch.device("cpu"), torch.Generator().manual_seed(0)), device)
     # Meta storages have no data pointer: a storage is known by its StorageImpl's address (_cdata).
     seen = {p.untyped_storage()._cdata for p in spec.module.parameters()}
@@ -129,9 +133,10 @@ def count_one_sample(source: str, spec: ModelSpec, device: torch.device) -> tupl
         ) from None
     finally:
         keep.clear()
-        if device.type != "meta":
-            spec.module.zero_grad(set_to_none=True)
-    return float(counter.get_total_flops()) / SAMPLES, saved // SAMPLES
+    trainable = [p for p in spec.module.parameters() if p.requires_grad]
+    unreached = tuple(i for i, p in enumerate(trainable) if p.grad is None)
+    spec.module.zero_grad(set_to_none=True)
+    return float(counter.get_total_flops()) / SAMPLES, saved // SAMPLES, unreached
 
 
 def _gathered_weights(tensor: torch.Tensor) -> bool:

@@ -82,6 +82,11 @@ class ModelInfo:
     with no gradient, master copy or optimizer state."""
     largest_block_params: int | None = None
     """Parameters of the largest repeated block (what FSDP2 gathers at a time), None without blocks."""
+    unreached_params: tuple[int, ...] = ()
+    """Indices (into trainable_param_shapes) of the trainable parameters the loss does not reach, found by
+    the counting backward: no gradient in training (a pooler a masked LM skips, a vision-language model's
+    vision tower under text-only batches). FSDP2 and torch's Adam then hold no gradient or states for them;
+    DeepSpeed ZeRO-1/2 a zero gradient of each, beside its gradient buffer."""
     saved_bytes_per_sample: int | None = None
     """Bytes autograd saves for backward for one sample (activations, each storage once, parameters left
     out), counted on the meta device in the dtype the model is built in: what calibration sizes from. An
@@ -143,7 +148,9 @@ def describe_model(
     if check_params is not None:
         check_params(count)
     frozen = sum(p.numel() for p in params if not p.requires_grad)
-    flops, saved = flops_and_saved(model, built.spec, counted, lambda: _build(source, counting=True).spec)
+    flops, saved, unreached = flops_and_saved(
+        model, built.spec, counted, lambda: _build(source, counting=True).spec
+    )
     blocks = built.spec.blocks
     largest_block = max(sum(p.numel() for p in block.parameters()) for block in blocks) if blocks else None
     frozen_note = f" ({frozen:,} of them frozen)" if frozen else ""
@@ -163,6 +170,7 @@ def describe_model(
         trainable_param_shapes=tuple(tuple(p.shape) for p in params if p.requires_grad),
         frozen_param_shapes=tuple(tuple(p.shape) for p in params if not p.requires_grad),
         largest_block_params=largest_block,
+        unreached_params=unreached,
     )
 
 
@@ -222,4 +230,3 @@ def _preset(name, config, seq_len, input_shape, num_classes) -> Built:
     blocks = list(module.transformer.layers)
     spec = classifier_spec(module, shape, NUM_CLASSES, blocks, checkpoint_blocks(blocks))
     return Built(spec, "preset", "image-classification", detail=image_detail(shape, NUM_CLASSES))
-

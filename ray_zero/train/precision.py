@@ -7,10 +7,14 @@ is promoted to fp32 and the next matmul with bf16 values fails, "expected scalar
 BFloat16". PyTorch DDP (torch_zero) needs nothing: its parameters and buffers stay fp32 under autocast.
 
 `cast_float_buffers` casts a floating buffer to the compute dtype when the module that holds it has
-parameters (its own or its children's: the module computes the buffer with its weights), except:
+parameters (its own or its children's: the module computes the buffer with its weights), or when the buffer
+is a matrix or a kernel (two or more dimensions) that a module without weights applies to the activations
+as one (timm's BlurPool filter and CSATv2's DCT basis go to F.conv2d and F.linear, which take one dtype),
+except:
 
-- a module with no parameters anywhere in it (a rotary embedding's inv_freq table): its own arithmetic,
-  done in fp32 by its code (Transformers' rotary embeddings upcast it and cast their result);
+- a vector in a module with no parameters anywhere in it (a rotary embedding's inv_freq): a table the
+  module computes from in fp32 by its own code (Transformers' rotary embeddings upcast it and cast their
+  result), as DeepSpeed 0.19.8 keeps it; elementwise use promotes rather than fails;
 - buffers the model names for fp32 (Transformers' `_keep_in_fp32_modules_strict`, and under fp16
   `_keep_in_fp32_modules`: DeepSeek-V3's routing bias), matched as DeepSpeed and Transformers match them;
 - a norm's running statistics (BatchNorm, InstanceNorm) when `keep_norms`: FSDP2 computes each BatchNorm
@@ -56,11 +60,12 @@ def buffers_to_cast(module: nn.Module, dtype: torch.dtype, keep_norms: bool = Tr
     for prefix, owner in module.named_modules():
         if keep_norms and isinstance(owner, _NormBase):
             continue
-        if next(owner.parameters(), None) is None:  # a module of buffers alone computes them itself
-            continue
+        weightless = next(owner.parameters(), None) is None
         for name, buffer in owner.named_buffers(recurse=False):
             full = f"{prefix}.{name}" if prefix else name
             if buffer is None or not buffer.is_floating_point() or buffer.dtype == dtype:
+                continue
+            if weightless and buffer.dim() < 2:  # a table the module computes from itself
                 continue
             if keep is not None and keep.search(full):
                 continue
