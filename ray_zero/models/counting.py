@@ -31,13 +31,17 @@ feature map is 1x1 (a ResNet on 32x32 images)."""
 REAL_COUNT_LIMIT_BYTES = 2 * 2**30
 """A model whose forward does not run on meta is built on the CPU to count its FLOPs only up to this much
 fp32 parameters (512 M): beyond it the driver would hold gigabytes to count what is not needed to train."""
-META_WORDS = ("meta tensor", "meta kernel", "'meta' backend", "meta device", "on meta", "with meta")
+META_WORDS = ("meta tensor", "meta kernel", "'meta' backend", "meta device", "device meta")
 
 
 def no_meta_kernel(error: BaseException) -> bool:
     """Whether `error` says that an operator cannot run on the meta device (rather than a bad input)."""
     text = str(error).lower()
     return any(word in text for word in META_WORDS)
+
+
+class NoMetaKernel(ModelError):
+    """The counting forward or backward stopped at an operator the meta device cannot run."""
 
 
 class Counted:
@@ -70,9 +74,7 @@ def flops_and_saved(
     device = next((p.device for p in spec.module.parameters()), torch.device("cpu"))
     try:
         return count_one_sample(source, spec, device)
-    except ModelError as error:
-        if device.type != "meta" or not no_meta_kernel(error):
-            raise
+    except NoMetaKernel as error:
         reason = _reason(error)
     size = sum(p.numel() for p in spec.module.parameters()) * 4
     if size > REAL_COUNT_LIMIT_BYTES:
@@ -127,7 +129,8 @@ def count_one_sample(
         ):
             spec.loss(spec.module, batch).backward()
     except Exception as error:
-        raise ModelError(
+        kind = NoMetaKernel if device.type == "meta" and no_meta_kernel(error) else ModelError
+        raise kind(
             f"a forward and backward of one sample of {source} failed on the {device.type} device: "
             f"{one_line(error)}"
         ) from None

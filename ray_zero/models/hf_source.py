@@ -108,11 +108,15 @@ def build_hf(model_type: str, config: dict, seq_len, input_shape, num_classes, c
                 "lower seq_len or raise max_position_embeddings in model_config"
             )
     seq_len = seq_len or (DEFAULT_SEQ_LEN if task in TOKEN_TASKS else None)
-    if task == "seq2seq-lm" and getattr(hf_config, "decoder_start_token_id", None) is None:
-        # T5's configuration class leaves it unset (its checkpoints say 0): T5 starts decoding from its pad
-        # token.
+    if task == "seq2seq-lm":
+        # T5's configuration class leaves the decoder's start unset (its checkpoints say 0): T5 starts
+        # decoding from its pad token. EncoderDecoderConfig has neither (its shift of the labels needs both).
         pad = getattr(text_config, "pad_token_id", None)
-        hf_config.decoder_start_token_id = pad if isinstance(pad, int) else 0
+        pad = pad if isinstance(pad, int) else 0
+        if getattr(hf_config, "decoder_start_token_id", None) is None:
+            hf_config.decoder_start_token_id = pad
+        if getattr(hf_config, "pad_token_id", None) is None:
+            hf_config.pad_token_id = pad
     # Training keeps no key/value cache. Counting on meta keeps it: without a cache Transformers
     # checks the positions for packed sequences, a data-dependent test that meta tensors cannot answer.
     if hasattr(hf_config, "use_cache"):
@@ -123,6 +127,12 @@ def build_hf(model_type: str, config: dict, seq_len, input_shape, num_classes, c
     # checks CUDA's dtypes on meta (bf16/fp16 only) and is not counted. Training keeps the defaults, or
     # the model_config's attn_implementation and experts_implementation.
     counted = {"attn_implementation": "eager", "experts_implementation": "batched_mm"} if counting else {}
+    classes = mappings[task][1][model_type]
+    if not isinstance(classes, str) and not getattr(hf_config, "architectures", None):
+        # A type with several classes for the task (DeiT, LeViT: with and without a teacher) makes
+        # Transformers 5's from_config read config.architectures, None in a configuration made from
+        # scratch: the first class is the task's plain one.
+        hf_config.architectures = [classes[0]]
     try:
         module = getattr(transformers, mappings[task][0]).from_config(hf_config, **counted)
     except Exception as error:
