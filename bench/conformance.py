@@ -933,7 +933,8 @@ def write_table(output: Path, table: Path) -> str:
         "64x64) where their configuration allows.",
         "",
         f"- Hardware: {last.get('machine', '?')} (a 2-core CPU VM shared with other work; bf16 without "
-        f"native support), one worker process a model, two at a time, `nice -n 19`",
+        f"native support), one worker process a model, `--jobs` at a time, `nice -n 19`; reruns' records "
+        f"appended to the first run's results.jsonl",
         f"- Run: {dates[0] if dates else '-'} to {dates[-1] if dates else '-'}, "
         f"{took / 3600:.1f} h over {len(runs)} invocation(s)",
         *(f"- Command: `{r['command']}`" for r in full[:1] + [r for r in runs if r.get("only")]),
