@@ -41,6 +41,7 @@ from ray_zero.store import (
 )
 
 DRIVER_MEMORY_BYTES = 256 * 1024**2
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's, on the head node only
 
 
 def check_output_dir(output_dir: Path, resume: bool = False) -> None:
@@ -212,7 +213,13 @@ class Session:
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # with verbose=0: no Tune tables on the terminal
         # The trial is a driver only (the work is in its Train workers): it reserves no CPU, so a 2-CPU
         # machine can still run a 2-worker trial. Tune needs some resource in the request: a little memory.
-        trainable = tune.with_resources(run_trial, {"cpu": 0, "memory": DRIVER_MEMORY_BYTES})
+        # On the head node (Ray's own `node:__internal_head__`), as Ray Train's placement-group cleaner: a
+        # driver on a worker node died with it, with the trial's Train controller, and a worker group's
+        # placement group still pending then was never removed: it held the node's CPUs once the node came
+        # back, and the sweep waited for them (bench/chaos.md).
+        trainable = tune.with_resources(
+            run_trial, {"cpu": 0, "memory": DRIVER_MEMORY_BYTES, HEAD_NODE_RESOURCE: 0.001}
+        )
         param_space = {**param_space, "log_name": self.log_name} if search_alg is None else {}
         callbacks = [ResultsWriter(self.output_dir, self.storage, total, on_row)]
         return tune.Tuner(

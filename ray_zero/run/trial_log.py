@@ -82,4 +82,10 @@ class TrialLog:
 
 
 def trial_log(name: str):
-    return TrialLog.options(name=name, get_if_exists=True, lifetime=None).remote()
+    """The sweep's log, on the sweep's own node (the driver's): placed anywhere else (it needs no CPU), it
+    died with a lost worker node, and every later trial of the sweep failed at its first look-up
+    (bench/chaos.md)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return TrialLog.options(name=name, get_if_exists=True, lifetime=None, scheduling_strategy=here).remote()

@@ -65,9 +65,10 @@ def keep_stacks_on_signal(log_key: str, rank: int):
     return handle
 
 
-def _stop_rank(pid: int, path: str) -> str:
+def _take_stacks(pid: int, path: str) -> str:
     """On the rank's node: its stacks (every thread's, as faulthandler writes them on SIGUSR1; py-spy's
-    where that gave nothing), then the process killed."""
+    where that gave nothing), then the process frozen (SIGSTOP) so that it cannot end, or be ended by
+    another rank's death, before every rank's stacks are taken."""
     try:
         os.kill(pid, signal.SIGCONT)  # a stopped process takes its signals once continued
         os.kill(pid, STACK_SIGNAL)
@@ -86,23 +87,33 @@ def _stop_rank(pid: int, path: str) -> str:
         except (OSError, subprocess.TimeoutExpired):
             stacks = ""
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGSTOP)
     except ProcessLookupError:
         pass
     return stacks or "(no stacks: neither the process's faulthandler nor py-spy answered)"
 
 
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def stop_ranks(progress: dict[str, Any], log_key: str) -> dict[str, str]:
-    """Each rank's stacks, by rank, once every rank is stopped (a task on each rank's node)."""
+    """Each rank's stacks, by rank (a task on each rank's node), then every rank killed: no rank is
+    killed before all stacks are in, so none is lost to a peer's death."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    stop = ray.remote(num_cpus=0)(_stop_rank)
+    ranks = {rank: r for rank, r in progress["ranks"].items() if r.get("pid")}
+
+    def on_node(function, rank):
+        strategy = NodeAffinitySchedulingStrategy(ranks[rank]["node_id"], soft=True)
+        return ray.remote(num_cpus=0)(function).options(scheduling_strategy=strategy)
+
     refs = {
-        rank: stop.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(r["node_id"], soft=True)
-        ).remote(r["pid"], str(stack_file(log_key, rank)))
-        for rank, r in progress["ranks"].items()
-        if r.get("pid")
+        rank: on_node(_take_stacks, rank).remote(r["pid"], str(stack_file(log_key, rank)))
+        for rank, r in ranks.items()
     }
     stacks = {}
     for rank, ref in sorted(refs.items()):
@@ -110,6 +121,8 @@ def stop_ranks(progress: dict[str, Any], log_key: str) -> dict[str, str]:
             stacks[str(rank)] = ray.get(ref, timeout=90)
         except Exception as error:  # noqa: BLE001  its node is gone, or the task failed: say so
             stacks[str(rank)] = f"(stacks not taken: {type(error).__name__}: {error})"
+    kills = [on_node(_kill, rank).remote(r["pid"]) for rank, r in ranks.items()]
+    ray.wait(kills, num_returns=len(kills), timeout=60)
     return stacks
 
 
