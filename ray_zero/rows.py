@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from ray_zero.measure import partitions
+from ray_zero.measure import comm_model, partitions
 from ray_zero.measure.memory_model import HELD_COLUMNS, predict_point
 from ray_zero.measure.prediction import GIB
 from ray_zero.schema import RANK, TRIAL
@@ -29,6 +29,7 @@ def results_columns() -> list[str]:
 def per_rank_columns() -> list[str]:
     """per_rank.csv's columns, in order (ray_zero/schema/rank_columns.py)."""
     return RANK.names("per_rank")
+
 
 SORT_KEYS = [
     "backend",
@@ -116,6 +117,7 @@ def trial_row(spec) -> dict[str, Any]:
         "largest_block_params": spec.model.largest_block_params,
         "gpu_share": spec.gpu_share if spec.use_gpu else None,
         **_held(spec.model, point),
+        **_comm(spec),
     }
 
 
@@ -125,9 +127,24 @@ def _held(model, point) -> dict[str, Any]:
     if not (getattr(model, "trainable_param_shapes", ()) or getattr(model, "frozen_param_shapes", ())):
         return {}
     held = partitions.held(
-        model.trainable_param_shapes, model.frozen_param_shapes, point.backend, point.stage, point.num_workers
+        model.trainable_param_shapes,
+        model.frozen_param_shapes,
+        point.backend,
+        point.stage,
+        point.num_workers,
+        getattr(model, "unreached_params", ()),
     )
     return dict(zip(HELD_COLUMNS, (held.params, held.gradients, held.states, held.trainable)))
+
+
+def _comm(spec) -> dict[str, Any]:
+    """The bytes the point's engine sends per step, by collective (ray_zero/measure/comm_model.py)."""
+    model = spec.model
+    if not (getattr(model, "trainable_param_shapes", ()) or getattr(model, "frozen_param_shapes", ())):
+        return {}
+    accumulation = spec.experiment.gradient_accumulation_steps
+    predicted = comm_model.predict_for(model, spec.point, spec.precision, accumulation)
+    return {f"predicted_comm_{kind}_bytes": value for kind, value in predicted.items()}
 
 
 def one_line_reason(error: BaseException) -> str:

@@ -382,3 +382,32 @@ def test_deepspeed_casts_batchnorm_buffers_only_for_batchnorm_networks():
             settings, llama, torch.device("cpu")
         )  # RoPE's inv_freq stays fp32
     assert "data_types" not in deepspeed_config(EngineSettings(precision="fp32"), resnet, torch.device("cpu"))
+
+
+COMM = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+
+
+def test_every_engine_sends_the_bytes_the_communication_model_predicts(zoo):
+    """Every engine, stage, family and precision at 2 ranks: the bytes of each kind of collective a timed
+    step sent, counted where the engine issues them (ray_zero/train/comm.py), are the prediction from the
+    parameters' shapes (ray_zero/measure/comm_model.py), to the byte, on every rank; at one rank, none."""
+    for key, row in zoo.items():
+        predicted = {kind: row[f"predicted_comm_{kind}_bytes"] for kind in COMM}
+        for rank in row["per_rank"]:
+            assert {kind: rank[f"comm_{kind}_bytes"] for kind in COMM} == predicted, (key, rank["rank"])
+        if row["num_workers"] == 1:
+            assert set(predicted.values()) == {0}, key
+    assert {k[0] for k, row in zoo.items() if row["comm_all_gather_bytes"]} == set(FAMILIES)
+
+
+def test_a_steps_time_splits_into_forward_backward_optimizer_and_exposed_communication(zoo):
+    """Each step's forward, backward, optimizer step and exposed communication add up to the step, and
+    the steps to the timed window samples/s is made from (within 5 %: what a step does after its
+    optimizer step, the loss read back, is outside them), on every rank."""
+    parts = ("forward_s", "backward_s", "optimizer_s", "exposed_comm_s")
+    for key, row in zoo.items():
+        for rank in row["per_rank"]:
+            assert sum(rank[name] for name in parts) == pytest.approx(rank["step_s"], rel=1e-6), (key, rank)
+            assert min(rank[name] for name in parts) >= 0, (key, rank)
+            steps_s = rank["step_s"] * rank["timed_steps"]
+            assert steps_s == pytest.approx(rank["timed_s"], rel=0.05), (key, steps_s, rank["timed_s"])

@@ -80,6 +80,12 @@ class ModelInfo:
     frozen_param_shapes: tuple[tuple[int, ...], ...] = ()
     """The shape of each frozen parameter, in the module's order: held (cast, partitioned) like the others,
     with no gradient, master copy or optimizer state."""
+    buffer_bytes: int = 0
+    """Bytes of the module's floating-point buffers (running statistics, masks), as it is built: what DDP
+    broadcasts from rank 0 before each forward."""
+    batch_norm_param_shapes: tuple[tuple[int, ...], ...] = ()
+    """The shapes of BatchNorm layers' parameters: FSDP2 gathers them in fp32 under half precision (their
+    own groups, ray_zero/train/torch_engines.py)."""
     largest_block_params: int | None = None
     """Parameters of the largest repeated block (what FSDP2 gathers at a time), None without blocks."""
     unreached_params: tuple[int, ...] = ()
@@ -171,6 +177,13 @@ def describe_model(
         frozen_param_shapes=tuple(tuple(p.shape) for p in params if not p.requires_grad),
         largest_block_params=largest_block,
         unreached_params=unreached,
+        buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers() if b.is_floating_point()),
+        batch_norm_param_shapes=tuple(
+            tuple(p.shape)
+            for m in module.modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            for p in m.parameters(recurse=False)
+        ),
     )
 
 

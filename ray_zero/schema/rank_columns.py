@@ -63,6 +63,15 @@ RANK = Registry(
         column("warmup_s", float, "s", P, "the warm-up steps (not timed)"),
         column("timed_s", float, "s", P, "the timed steps"),
         column("data_source", str, "", P, "where the rank's data came from"),
+        column("step_s", float, "s", P, "a timed step, from its start to the end of its optimizer step (mean)"),
+        column("forward_s", float, "s", P, "its forwards, less the collectives that held the rank up in them (mean)"),
+        column("backward_s", float, "s", P, "its backwards, less the collectives that held the rank up in them (mean)"),
+        column("optimizer_s", float, "s", P, "its optimizer step, less the collectives that held the rank up in it (mean)"),
+        column("exposed_comm_s", float, "s", P, "the time collectives held the rank up (blocking calls, waits; GPU: the stream's waits) (mean)"),
+        *(
+            column(f"comm_{kind}_bytes", int, "bytes", P, f"{kind.replace('_', '-')} messages a timed step sent (nccl-tests' message size)")
+            for kind in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+        ),
         # trials.jsonl only
         column("pid", int, "", R, "the rank's process id, as the Ray dashboard lists it"),
         column("device_uuid", str, "", R, "the GPU's UUID: trials on one GPU take turns on it"),

@@ -11,6 +11,8 @@ PAGE, MD, CONSOLE = "page", "md", "console"
 
 _TIMES = ("model_build_s", "data_load_s", "initialize_s", "turn_wait_s", "warmup_s", "timed_s")
 _STATES = ("parameter", "gradient", "master_param", "optimizer_state")
+_SPLIT = ("step_s", "forward_s", "backward_s", "optimizer_s", "exposed_comm_s")
+_COMM = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 
 
 def _extremes(rank_name: str, unit: str, text: str, tier_of_max: str = R) -> list:
@@ -87,6 +89,9 @@ TRIAL = Registry(
         column("device_name", str, "", R, "the ranks' device", how="first", of="device_name"),
         column("device_memory_gib", float, "GiB", R, "the GPU's memory", how="first", of="device_memory_gib"),
         *(column(name, float, "s", R, f"{name[:-2].replace('_', ' ')}, the slowest rank", how="slowest", of=name) for name in _TIMES),
+        *(column(name, float, "s", R, f"a timed step's {name[:-2].replace('_', ' ')} (mean), mean over ranks", how="mean", of=name) for name in _SPLIT),
+        *(column(f"comm_{kind}_bytes", int, "bytes", R, f"{kind.replace('_', '-')} bytes a timed step sent, the rank sending most", how="max", of=f"comm_{kind}_bytes") for kind in _COMM),
+        *(column(f"predicted_comm_{kind}_bytes", int, "bytes", R, f"{kind.replace('_', '-')} bytes a step sends, as the communication model predicts them") for kind in _COMM),
         # when
         column("fit_started_at", float, "s", R, "when the trial's TorchTrainer.fit() began (epoch seconds)"),
         column("fit_finished_at", float, "s", R, "when it returned"),

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from ray_zero.train.ds_config import deepspeed_config
-from ray_zero.train.engine_base import Engine, EngineError, entered
+from ray_zero.train.engine_base import Engine, EngineError
+from ray_zero.train.precision import cast_float_buffers
 from ray_zero.train.state_bytes import state_bytes
 
 
@@ -73,6 +74,9 @@ class DeepSpeedEngine(Engine):
 
         if device.type == "cpu":
             skip_inference_all_reduce_build()
+        # DeepSpeed casts parameters, not buffers: those the module computes with its weights go with them
+        # (a norm's statistics too: its weights are half precision here), ray_zero/train/precision.py.
+        cast_float_buffers(spec.module, settings.precision, keep_norms=False)
         self.config = deepspeed_config(settings, spec.module, device)
         # A copy goes in: self.config stays exactly what was asked for, whatever DeepSpeed does to its
         # argument.
@@ -91,26 +95,24 @@ class DeepSpeedEngine(Engine):
         self._step_pending = False
         self._scale_loss, self.loss_scale_fix = loss_scale_fix(self.engine)
 
-    def _forward_backward(self, batch, boundary, forward_context):
+    def _forward(self, batch, boundary):
         if self.engine.is_gradient_accumulation_boundary() != boundary:
             raise EngineError(
                 f"DeepSpeed counts micro-batches itself: boundary={boundary} at its micro-step "
                 f"{self.engine.micro_steps} with gradient_accumulation_steps "
                 f"{self.settings.gradient_accumulation_steps}"
             )
-        with entered(forward_context):
-            loss = self.spec.loss(self.engine, batch)
+        return self.spec.loss(self.engine, batch)
+
+    def _backward(self, loss, boundary):
         # engine.backward divides by gradient_accumulation_steps itself
         self.engine.backward(loss * self.engine.optimizer.loss_scale if self._scale_loss else loss)
         if boundary:
-            self._step_pending = (
-                True  # the optimizer steps in step(), after the caller has seen the gradients
-            )
+            self._step_pending = True  # the optimizer steps in step(), once the caller has seen the gradients
         else:
             self.engine.step()  # DeepSpeed counts micro-batches in step(); off the boundary it only counts
-        return loss.detach()
 
-    def step(self):
+    def _step(self):
         if not self._step_pending:
             raise EngineError("step() before the boundary micro-batch's forward_backward")
         self.engine.step()

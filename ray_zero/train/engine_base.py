@@ -53,13 +53,24 @@ class Engine:
         self.spec, self.settings, self.device = spec, settings, device
         self.backend = settings.backend
         self._gradient_bytes_after_backward: Optional[int] = None
+        self.clock = None
+        """The step's clock (ray_zero/train/step_clock.py) while the timed steps run, else None."""
 
     def forward_backward(self, batch: Any, boundary: bool, forward_context: Any = None) -> torch.Tensor:
         """Forward (spec.loss under this engine's autocast; `forward_context` around the forward only), then
         backward scaled for gradient accumulation; gradients are reduced across ranks only at `boundary`
         (FSDP2 and DeepSpeed's ZeRO-2/3 reduce-scatter each micro-batch: that is what keeps them sharded).
-        Returns the loss, detached and unscaled."""
-        loss = self._forward_backward(batch, boundary, forward_context)
+        Returns the loss, detached and unscaled. The step's clock (`clock`, when set) is told where the
+        forward and the backward end."""
+        with self._micro_batch(boundary):
+            with entered(forward_context):
+                loss = self._forward(batch, boundary)
+            if self.clock is not None:
+                self.clock.mark("forward")
+            self._backward(loss, boundary)
+            if self.clock is not None:
+                self.clock.mark("backward")
+        loss = loss.detach()
         if boundary and self._gradient_bytes_after_backward is None:
             # Some optimizers free or move gradients in step (zero_grad(set_to_none), DeepSpeed's partitions):
             # the first boundary backward is where a rank holds all its gradients.
@@ -69,7 +80,9 @@ class Engine:
     def step(self) -> None:
         """The optimizer step, once per `gradient_accumulation_steps` micro-batches, after the boundary
         one."""
-        raise NotImplementedError
+        self._step()
+        if self.clock is not None:
+            self.clock.mark("optimizer")
 
     def close(self) -> None:
         """Let go of what the engine holds, so that a rank can train another engine after it in the same
@@ -83,7 +96,18 @@ class Engine:
         states["gradient_bytes"] = max(states["gradient_bytes"], self._gradient_bytes_after_backward or 0)
         return states
 
-    def _forward_backward(self, batch, boundary, forward_context) -> torch.Tensor:
+    def _micro_batch(self, boundary: bool):
+        """Around one micro-batch's forward and backward (DDP's no_sync off the boundary)."""
+        return contextlib.nullcontext()
+
+    def _forward(self, batch, boundary: bool) -> torch.Tensor:
+        """The loss of `batch` (spec.loss through the engine's model, under its autocast)."""
+        raise NotImplementedError
+
+    def _backward(self, loss: torch.Tensor, boundary: bool) -> None:
+        raise NotImplementedError
+
+    def _step(self) -> None:
         raise NotImplementedError
 
     def _state_bytes(self) -> dict[str, int]:

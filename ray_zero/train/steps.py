@@ -17,6 +17,8 @@ from ray_zero.config import TrialSpec
 from ray_zero.measure.meter import SavedForBackward, peak_tflops
 from ray_zero.models.spec import cast_floating
 from ray_zero.schema import rank_report
+from ray_zero.train.comm import CommCounter
+from ray_zero.train.step_clock import StepClock
 
 PUBLISH_INTERVAL_S = 1.0
 """Live figures go to the caller at most this often: Ray exports gauges every 10 s, and each update costs
@@ -75,13 +77,19 @@ def train_steps(run, engine, data: Data) -> dict[str, Any]:
     # Wall-clock bounds of what this rank measures (warm-up to the last timed step): trials that share a
     # device must never overlap there (their turns, ray_zero/train/turn.py).
     run.timings["measuring_from"] = time.time()
+    comm = CommCounter(device)
+    clock = StepClock(device, comm)
     for step in range(data.total_steps):
         run.phase = f"step {step}"
         if step == warmup:
             run.done("warmup")
             meter.start_timing(step)
+            comm.__enter__()  # the timed steps' collectives, and where their time goes
+            engine.clock = clock
             if run.diagnostics:
                 run.diagnostics.start_timed()
+        if step >= warmup:
+            clock.start()
         inject_fault(spec, run.rank, step, run.attempt)
         step_loss = torch.zeros((), device=device)
         for micro_step in range(accum):
@@ -123,17 +131,20 @@ def train_steps(run, engine, data: Data) -> dict[str, Any]:
                     )
     meter.stop_timing(data.total_steps - warmup, samples_per_step)
     run.timings["measuring_until"] = time.time()
+    comm.__exit__(None, None, None)
+    engine.clock = None
+    split = {**clock.split(), **comm.per_step(data.total_steps - warmup)}
     # After the first step and the last: a skipped step (fp16's loss scale overflowing at the start)
     # creates no optimizer states, and they appear at a later step. Walked after the timed window.
     states = {k: max(v, states.get(k, 0)) for k, v in engine.model_state_bytes().items()}
     if run.diagnostics:
         run.diagnostics.stop_timed()
     run.phase = "finish"
-    return _report(run, engine, data, states, losses, saved.bytes)
+    return _report(run, engine, data, {**states, **split}, losses, saved.bytes)
 
 
 def _report(
-    run, engine, data: Data, states: dict[str, int], losses: Losses, saved_bytes: int
+    run, engine, data: Data, states: dict[str, Any], losses: Losses, saved_bytes: int
 ) -> dict[str, Any]:
     figures = run.meter.result()
     cuda = run.device.type == "cuda"

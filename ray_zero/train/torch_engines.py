@@ -3,6 +3,7 @@ stages 2-3), both over fp32 parameters with autocast or FSDP2's mixed precision.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 
@@ -10,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from ray_zero.train.ds_config import LOW_PRECISION, batch_norms
-from ray_zero.train.engine_base import Engine, entered, optimizer_class, optimizer_kwargs
+from ray_zero.train.engine_base import Engine, optimizer_class, optimizer_kwargs
+from ray_zero.train.precision import cast_float_buffers
 from ray_zero.train.state_bytes import state_bytes
 
 
@@ -25,11 +27,11 @@ class _TorchEngine(Engine):
         super().__init__(spec, settings, device)
         self.config = settings.as_dict()
 
-    def _backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor, boundary: bool) -> None:
         scaled = loss / self.settings.gradient_accumulation_steps
         (self.scaler.scale(scaled) if self.scaler else scaled).backward()
 
-    def step(self):
+    def _step(self):
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -50,11 +52,15 @@ class TorchZeroEngine(_TorchEngine):
 
     def __init__(self, spec, settings, device):
         super().__init__(spec, settings, device)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
         self.model = DistributedDataParallel(
             spec.module, device_ids=[device] if device.type == "cuda" else None
         )
+        # DDP's own all-reduce, through torch.distributed's Python function: the bytes it sends are counted
+        # where it issues them (ray_zero/train/comm.py), as DeepSpeed's and FSDP2's are.
+        self.model.register_comm_hook(None, default_hooks.allreduce_hook)
         params = [p for p in spec.module.parameters() if p.requires_grad]
         optimizer_cls, kwargs = optimizer_class(settings.optimizer.type), optimizer_kwargs(settings)
         if settings.stage == 1:
@@ -68,18 +74,15 @@ class TorchZeroEngine(_TorchEngine):
         if settings.precision == "fp16":
             self.scaler = torch.amp.GradScaler(device.type)
 
-    def _forward_backward(self, batch, boundary, forward_context):
-        autocast = (
-            torch.autocast(self.device.type, dtype=self.autocast_dtype)
-            if self.autocast_dtype
-            else contextlib.nullcontext()
-        )
+    def _micro_batch(self, boundary):
         # no_sync must hold through backward: that is where DDP's all-reduce runs.
-        with contextlib.nullcontext() if boundary else self.model.no_sync():
-            with autocast, entered(forward_context):
-                loss = self.spec.loss(self.model, batch)
-            self._backward(loss)
-        return loss.detach()
+        return contextlib.nullcontext() if boundary else self.model.no_sync()
+
+    def _forward(self, batch, boundary):
+        if not self.autocast_dtype:
+            return self.spec.loss(self.model, batch)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            return self.spec.loss(self.model, batch)
 
 
 class FSDPEngine(_TorchEngine):
@@ -109,7 +112,23 @@ class FSDPEngine(_TorchEngine):
             # with fp32 weights and statistics, and return the inputs' dtype.
             for norm in batch_norms(spec.module):
                 shard(norm, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
-        for block in spec.blocks or ():
+        # FSDP2 casts parameters, not buffers: those the module computes with its low-precision weights go
+        # with them (BatchNorms' statistics stay fp32, in their fp32 groups), ray_zero/train/precision.py.
+        cast_float_buffers(spec.module, settings.precision, keep_norms=True)
+        blocks = list(spec.blocks or ())
+        # Parameters that several blocks hold (CoaT shares a module between its blocks, Zamba ties its
+        # shared transformer's weights) go in one group of their own, sharded first: FSDP2 refuses a
+        # parameter that another group manages already.
+        holders = collections.Counter(id(q) for block in blocks for q in set(block.parameters()))
+        shared = {
+            id(m): m
+            for block in blocks
+            for m in block.modules()
+            if any(holders[id(q)] > 1 for q in m.parameters(recurse=False))
+        }
+        if shared:
+            shard(list(shared.values()))
+        for block in blocks:
             shard(block)
         self.model = shard(spec.module)
         params = [p for p in spec.module.parameters() if p.requires_grad]
@@ -121,11 +140,8 @@ class FSDPEngine(_TorchEngine):
 
             self.scaler = ShardedGradScaler(device.type)  # all ranks agree on inf/NaN before skipping a step
 
-    def _forward_backward(self, batch, boundary, forward_context):
+    def _forward(self, batch, boundary):
         # Reduce-scatter every micro-batch, as DeepSpeed's ZeRO-2/3 do: skipping it
-        # (set_requires_gradient_sync)
-        # would keep whole gradients between micro-batches, the memory stages 2 and 3 exist to save.
-        with entered(forward_context):
-            loss = self.spec.loss(self.model, batch)
-        self._backward(loss)
-        return loss.detach()
+        # (set_requires_gradient_sync) would keep whole gradients between micro-batches, the memory stages 2
+        # and 3 exist to save.
+        return self.spec.loss(self.model, batch)
