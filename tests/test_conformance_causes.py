@@ -77,13 +77,12 @@ def masked_spec():
     return ModelSpec(MaskedAttention(), make_batch, loss, None, None)
 
 
-def train_masked(rank: int, world_size: int, backend: str, stage: int, precision: str) -> dict:
-    """On one rank: the buffers' dtypes once the engine is built, and two steps' losses."""
+def _two_steps(spec, backend: str, stage: int, precision: str):
+    """The engine built for `spec` on this rank, and the losses of two steps on one batch."""
     from ray_zero.models.spec import cast_floating
     from ray_zero.train.engines import build_engine
     from ray_zero.train.settings import EngineSettings
 
-    spec = masked_spec()
     settings = EngineSettings(backend=backend, stage=stage, precision=precision, micro_batch_size=2)
     engine = build_engine(spec, settings, torch.device("cpu"))
     batch = spec.make_batch(2, torch.device("cpu"), torch.Generator().manual_seed(0))
@@ -91,6 +90,14 @@ def train_masked(rank: int, world_size: int, backend: str, stage: int, precision
     for _ in range(2):
         losses.append(engine.forward_backward(cast_floating(batch, engine.input_dtype), True).item())
         engine.step()
+    return engine, losses
+
+
+def train_masked(rank: int, world_size: int, backend: str, stage: int, precision: str) -> dict:
+    """On one rank: the buffers' dtypes once the engine is built, and two steps' losses."""
+
+    spec = masked_spec()
+    engine, losses = _two_steps(spec, backend, stage, precision)
     module = spec.module
     dtypes = {
         "mask": str(module.mask.dtype),
@@ -201,22 +208,15 @@ class SharedBlock(nn.Module):
 
 def train_shared(rank: int, world_size: int) -> list[float]:
     """FSDP2 at stage 3, bf16, over two blocks sharing a Linear: two steps' losses."""
-    from ray_zero.models.spec import ModelSpec, cast_floating
-    from ray_zero.train.engines import build_engine
-    from ray_zero.train.settings import EngineSettings
+    from ray_zero.models.spec import ModelSpec
 
     torch.manual_seed(0)
     shared = nn.Linear(WIDTH, WIDTH)
     blocks = [SharedBlock(shared), SharedBlock(shared)]
     module = nn.Sequential(*blocks, nn.Flatten(), nn.Linear(WIDTH * TOKENS, CLASSES))
-    spec = ModelSpec(module, masked_spec().make_batch, masked_spec().loss, blocks, None)
-    settings = EngineSettings(backend="fsdp", stage=3, precision="bf16", micro_batch_size=2)
-    engine = build_engine(spec, settings, torch.device("cpu"))
-    batch = spec.make_batch(2, torch.device("cpu"), torch.Generator().manual_seed(0))
-    losses = []
-    for _ in range(2):
-        losses.append(engine.forward_backward(cast_floating(batch, engine.input_dtype), True).item())
-        engine.step()
+    template = masked_spec()
+    spec = ModelSpec(module, template.make_batch, template.loss, blocks, None)
+    engine, losses = _two_steps(spec, "fsdp", 3, "bf16")
     engine.close()
     return losses
 
