@@ -7,7 +7,7 @@ mkdir -p "$SITE"
 [ -d "$SITE/deepspeed" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl
 [ -n "${NO_RAY:-}" ] || [ -d "$SITE/ray" ] || tar -xJf .whl/ray-*.tar.xz -C "$SITE"
 export PYTHONPATH="$SITE:$PWD" PATH="$SITE/bin:$PATH" PYTHONUNBUFFERED=1
-# Every process compiled the machine's torch from source at start (py-spy, bench/README.md "Still open"):
+# Every process compiled the machine's torch from source at start (py-spy, bench/startup_profile.md):
 # Python found no cached bytecode it could use. Cache it in a writable folder, as a pip-installed torch has.
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pycache}
 unset PYTHONDONTWRITEBYTECODE

@@ -3,12 +3,12 @@ every engine of its grid, every engine calibrated at three sizes; per family and
 folder as a sweep writes it (trials.jsonl, calibration.json, results.csv/md, per_rank.csv, report.html).
 
 Why not `python -m ray_zero sweep`: a Ray Train run costs 12-14 s over bare DeepSpeed per trial on the
-H200 (bench/README.md), and the zoo is some 180 short runs; a device lease is 30 minutes. So each family
+H200 (bench/bench.md), and the zoo is some 180 short runs; a device lease is 30 minutes. So each family
 and precision runs in one fresh process holding one rank (torch.distributed, nccl on GPU, gloo on CPU),
 which trains every point and calibration probe in turn with the rank code of a sweep
 (`ray_zero.train.worker.train`), on a copy of the model built once, and makes the rows with the sweep's code
 (rows.py, calibration.py, report.py). Between runs the rank frees what the run held and checks that
-allocated memory is back where it started (`leftover_gib` in trials.jsonl: a run that began above it
+allocated memory is back where it started (the console's `leftover`: a run that began above it
 would measure a higher peak; Engine.close lets DeepSpeed go). The grid's points run first; calibration after.
 
     python scripts/zoo.py experiments/zoo_*.yaml --precision bf16 fp16 --output results/zoo-h200
@@ -82,8 +82,9 @@ def _release(device) -> int:
     return 0
 
 
-def _run(spec, device, pristine, baseline: int) -> dict:
-    """One run of `spec` on this rank: its results row, as a sweep's trial makes it."""
+def _run(spec, device, pristine, baseline: int) -> tuple[dict, float]:
+    """One run of `spec` on this rank: its results row, as a sweep's trial makes it, and the bytes left
+    allocated by the runs before it (not a column of the row: the console says it)."""
     from ray_zero.models.spec import copied
     from ray_zero.rows import aggregate_ranks, failed_row_fields, trial_row
     from ray_zero.train.worker import train
@@ -98,8 +99,8 @@ def _run(spec, device, pristine, baseline: int) -> dict:
     else:
         row.update(status="ok", **aggregate_ranks([result]))
         row["per_rank"] = [{"trial": spec.name, **result}]
-    row.update(attempts=1, wall_s=time.time() - started, leftover_gib=leftover / GIB)
-    return row
+    row.update(attempts=1, wall_s=time.time() - started)
+    return row, leftover
 
 
 def run_family(path: str, precisions: list[str], output: Path, overrides: list[str], command: str) -> None:
@@ -176,12 +177,12 @@ def run_one(path: str, precision: str, output: Path, overrides: list[str], comma
     rows = [skipped_row(spec(p), reason) for p, reason in plan.skipped]
     print(f"zoo: {experiment.name} {plan.precision}: {model.description}; {len(runs)} runs", flush=True)
     for run in runs:
-        row = _run(run, device, pristine, baseline)
+        row, leftover = _run(run, device, pristine, baseline)
         rows.append(row)
         peak = row.get("peak_allocated_gib_max")
         print(
             f"zoo:   {row['trial']}: {row['status']} peak {peak if peak is None else round(peak, 3)} GiB, "
-            f"leftover {row['leftover_gib']:.3f} GiB, {row['wall_s']:.1f} s"
+            f"leftover {leftover / GIB:.3f} GiB, {row['wall_s']:.1f} s"
             + (f"; {row['error']}" if row.get("error") else ""),
             flush=True,
         )

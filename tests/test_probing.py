@@ -35,7 +35,7 @@ at rank level here (2-core CPU, 2026-12-03, stage 1, 3 steps): this test's case 
 memory) +0.04, +0.01, +0.01, -0.01 GiB in four processes; fresh runs of 32 peaked at 1.341-1.472 GiB (14
 processes), and 32 after a larger probe read -0.02 to +0.19 GiB above its own process's fresh run (median
 +0.07, 17 probes): glibc's mmap threshold only rises, so a later probe takes more from the heap, whose
-freed pages stay resident. Through Ray the same: bench/README.md. Without malloc_trim between probes, 16
+freed pages stay resident. Through Ray the same: bench/fit_bench.md. Without malloc_trim between probes, 16
 after 192 read +0.19 and +0.27 GiB above the process's first 16 (in a thread, as here), with it -0.05 and
 +0.04."""
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from ray_zero.measure.partitions import DEEPSPEED_PERSISTENCE_THRESHOLD, _zero12_partitions
+from ray_zero.measure.partitions import DEEPSPEED_PERSISTENCE_THRESHOLD, zero12_partitions
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 HALF = {"fp16": 2, "bf16": 2}
@@ -67,7 +67,7 @@ def predict_comm(
         if stage in (0, 1, 2):
             sent["all_reduce"] = low * sum(trainable) * (g if stage == 2 else 1)
         if stage in (1, 2):
-            partition, _ = _zero12_partitions(trainable, n)
+            partition, _ = zero12_partitions(trainable, n)
             sent["all_reduce"] += 4 + (1 if precision in HALF else 0)  # the gradient norm, the overflow flag
             sent["all_gather"] = low * partition * n
         if stage == 3:

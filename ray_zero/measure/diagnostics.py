@@ -1,6 +1,6 @@
 """Opt-in figures of the host a rank ran on (`--diagnostics`: diagnostics.csv): when each phase began and
 ended on the wall clock, the training thread's CPU time and scheduler counts over the timed steps, the
-process and its folders. They diagnose a slow run on a shared machine (bench/README.md); nothing of this
+process and its folders. They diagnose a slow run on a shared machine (bench/bench.md); nothing of this
 module runs unless asked for, and none of it runs per step.
 """
 

@@ -91,7 +91,7 @@ def _deepspeed(trainable_shapes, frozen_shapes, stage: int, n: int, unreached=fr
     every = trainable + [math.prod(s) for s in frozen_shapes]
     t, p = sum(trainable), sum(every)
     if stage in (1, 2):
-        partition, gradients = _zero12_partitions(trainable, n, unreached)
+        partition, gradients = zero12_partitions(trainable, n, unreached)
         return Held(params=partition * n + p - t, gradients=gradients, states=partition, trainable=t)
     if stage == 3:
         split = sum(math.ceil(s / n) for s in trainable)
@@ -139,7 +139,7 @@ def _rule(backend: str) -> _Rule:
     return PARTITION_RULES[backend]
 
 
-def _zero12_partitions(sizes: list[int], n: int, unreached=frozenset()) -> tuple[int, int]:
+def zero12_partitions(sizes: list[int], n: int, unreached=frozenset()) -> tuple[int, int]:
     """ZeRO-1/2's partition size, and the most gradient elements one rank holds: the whole tensors
     overlapping its partition, and on the last rank the zeros that pad the flat buffer to 2N elements
     (get_flat_partition appends them to its gradients: a model of an odd number of parameters, timm's

@@ -61,7 +61,7 @@ class AllRanksCallback(UserCallback):
 def train_loop(config: dict[str, Any]) -> None:
     """Ray Train entry point on every worker: run `train` as this rank, publish live gauges, report once."""
     # Imported here, in the worker: Ray Train's controller unpickles this function, and torch imported at
-    # this module's top would cost it seconds at every trial (bench/README.md, "torch not in the controller").
+    # this module's top would cost it seconds at every trial (bench/startup_profile.md, cut 7).
     import ray.train
     import ray.train.torch
     import torch

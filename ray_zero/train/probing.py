@@ -15,7 +15,7 @@ and goes on if the memory in use is back within `LEAK_TOLERANCE_BYTES` of what i
 else `run_search` returns early (`"leak"`) and the caller goes on in a fresh run. With several ranks an
 out-of-memory rank ends the run (its peers may be waiting in a collective), as does any other error.
 
-Measured on the 2-core CPU (bench/README.md): the trimmed heap goes back to within 1 MiB of its level
+Measured on the 2-core CPU (bench/fit_bench.md): the trimmed heap goes back to within 1 MiB of its level
 before each probe, but a probe after others reads up to 0.16 GiB more resident set than a fresh run
 (glibc's mmap threshold only rises: later probes take more from the heap). GPU: the caching allocator's
 peak, which a previous probe does not touch once its blocks are freed and the cache emptied.
