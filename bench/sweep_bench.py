@@ -100,6 +100,8 @@ def summary(output: Path, command: str, old_label: str) -> str:
     for run in walls:
         entry = pairs.setdefault(run["pair"], {"pair": run["pair"], "first": run["side"]})
         entry[f"{run['side']}_wall_s"] = run["wall_s"]
+        if run["side"] == "new" and run.get("set"):
+            entry["new_set"] = " ".join(run["set"])
     for entry in pairs.values():
         if "old_wall_s" in entry and "new_wall_s" in entry:
             entry["ratio"] = round(entry["new_wall_s"] / entry["old_wall_s"], 3)
@@ -161,6 +163,10 @@ def main(argv=None) -> int:
     parser.add_argument("--old", type=Path, help="a checkout of the scheduling to compare against")
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument(
+        "--new-set", dest="new_overrides", action="append", default=[],
+        help="an override for the new side only (a setting the old checkout does not have)",
+    )
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument(
         "--summarize", action="store_true", help="no runs: the comparison of those in --output"
@@ -174,7 +180,7 @@ def main(argv=None) -> int:
         experiment = args.experiment.resolve()
         old_code = args.old.resolve() if args.old else ROOT
         old_overrides = args.overrides + ([] if args.old else ["runtime.share_gpus=false"])
-        sides = {"old": (old_code, old_overrides), "new": (ROOT, args.overrides)}
+        sides = {"old": (old_code, old_overrides), "new": (ROOT, args.overrides + args.new_overrides)}
         recorded = output / WALLS
         done = [json.loads(line) for line in recorded.read_text().splitlines()] if recorded.is_file() else []
         first_pair = max((run["pair"] for run in done), default=0) + 1
@@ -183,7 +189,8 @@ def main(argv=None) -> int:
                 code, overrides = sides[side]
                 wall = run_sweep(code, experiment, output / f"{side}-{pair}", overrides)
                 with open(recorded, "a") as record:
-                    record.write(json.dumps({"pair": pair, "side": side, "wall_s": round(wall, 1)}) + "\n")
+                    entry = {"pair": pair, "side": side, "wall_s": round(wall, 1), "set": overrides}
+                    record.write(json.dumps(entry) + "\n")
                 print(f"pair {pair}: {side} {wall:.1f} s", flush=True)
     text = summary(output, command, old_label)
     (output / "sweep_bench.md").write_text(text + "\n")
