@@ -12,7 +12,7 @@ __main__ and api (the CLI and the Python API) > run (Ray: plan, cluster, trial, 
 > models (sources, presets, description) > store, console.
 """
 
-from ray_zero.api import FitResults, Results, estimate, experiment_of, fit, sweep
+from ray_zero.api import FitResults, Results, bandwidth, estimate, experiment_of, fit, sweep
 from ray_zero.config import ConfigError, Experiment
 from ray_zero.console import log_to_console
 
@@ -22,6 +22,7 @@ __all__ = [
     "Experiment",
     "FitResults",
     "Results",
+    "bandwidth",
     "estimate",
     "experiment_of",
     "fit",

@@ -7,6 +7,8 @@ python -m ray_zero sweep --resume runs/quick-20261129-120000     # finish an int
 python -m ray_zero fit experiments/gpt2_tiny_fit.yaml --budget-gib 3   # largest micro-batch that fits
 python -m ray_zero report runs/quick-20261129-120000             # tables, plots, report.html again
 python -m ray_zero estimate --model hf:gpt2 --workers 1,2,4,8    # the memory model alone
+python -m ray_zero bandwidth --workers 2                         # busbw between workers, for estimate
+python -m ray_zero estimate --measured runs/X --bandwidth bandwidth.json   # samples/s at 1-8 workers
 python -m ray_zero keys                                          # every experiment key
 python -m ray_zero columns                                       # every column of the tables
 
@@ -16,6 +18,7 @@ A thin layer over the Python API (ray_zero/api.py: ray_zero.sweep, ray_zero.fit,
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shlex
 import sys
@@ -157,10 +160,52 @@ def _parser() -> argparse.ArgumentParser:
         help="mark the rows whose predicted peak (or model states, without activations) exceeds G GiB",
     )
     estimate.add_argument(
+        "--measured",
+        type=Path,
+        metavar="DIR",
+        help="a sweep's folder: predict samples/s at --workers from its rows (needs --bandwidth or --busbw)",
+    )
+    estimate.add_argument(
+        "--bandwidth", type=Path, metavar="FILE", help="a file of `python -m ray_zero bandwidth`"
+    )
+    estimate.add_argument("--busbw", type=float, metavar="GB/s", help="the bus bandwidth, in place of a file")
+    estimate.add_argument(
         "--calibration",
         type=Path,
         metavar="DIR",
         help="a sweep's folder whose calibration.json gives the model's activations per sample",
+    )
+    bandwidth = commands.add_parser(
+        "bandwidth", help="bus bandwidth of all-reduce, reduce-scatter, all-gather between workers"
+    )
+    bandwidth.add_argument(
+        "--workers", type=int, help="workers, 2 or more (default: the cluster's GPUs, else 2 CPU workers)"
+    )
+    bandwidth.add_argument(
+        "--device", default="auto", help="auto (GPUs where the cluster has them), gpu or cpu"
+    )
+    bandwidth.add_argument(
+        "--min-mib", type=int, default=1, help="smallest message, MiB, a power of two (default 1)"
+    )
+    bandwidth.add_argument(
+        "--max-mib",
+        type=int,
+        default=1024,
+        help="largest message, MiB, a power of two (default 1024; on CPU 64 gives the curve in seconds)",
+    )
+    bandwidth.add_argument(
+        "--iterations",
+        type=int,
+        default=20,
+        help="timed calls per message size, fewer where they would take over a second (default 20)",
+    )
+    bandwidth.add_argument(
+        "--output", type=Path, default=Path("bandwidth.json"), metavar="FILE", help="the file to write"
+    )
+    bandwidth.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="a running Ray cluster to join (default: RAY_ADDRESS, or a private Ray)",
     )
     commands.add_parser("keys", help="list every experiment key with its meaning and default")
     commands.add_parser("columns", help="every column of the tables, its unit and meaning (docs/columns.md)")
@@ -225,7 +270,7 @@ def _report(args) -> int:
 
 def _estimate(args) -> int:
     model_set = [f"model={args.model}"] if args.model else []
-    model = args.experiment or args.model or "large"
+    model = args.experiment or args.model or ("" if args.measured else "large")
     print(
         api.estimate(
             model,
@@ -236,9 +281,37 @@ def _estimate(args) -> int:
             micro_batch_size=args.micro_batch_size,
             calibration=args.calibration,
             gpu_gib=args.gpu_gib,
+            measured=args.measured,
+            bandwidth=args.bandwidth,
+            busbw=args.busbw,
             overrides=[*args.overrides, *(model_set if args.experiment else [])],
         )
     )
+    return 0
+
+
+def _bandwidth(args) -> int:
+    from ray_zero.run.bandwidth import BandwidthFailed, bandwidth_table
+
+    try:
+        written = api.bandwidth(
+            workers=args.workers,
+            device=args.device,
+            min_mib=args.min_mib,
+            max_mib=args.max_mib,
+            iterations=args.iterations,
+            output=args.output,
+            address=args.address,
+            command=_command(),
+        )
+    except BandwidthFailed as error:
+        print(f"ray_zero: error: {error}", file=sys.stderr)
+        return 1
+    if written is not None:
+        content = json.loads(written.read_text())
+        print(f"bandwidth: {content['where']}, {content['backend']}")
+        print(bandwidth_table(content["results"]))
+        print(f"ray_zero: written to {written} (for estimate --measured DIR --bandwidth {written})")
     return 0
 
 
@@ -260,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     verbose, quiet = getattr(args, "verbose", False), getattr(args, "quiet", False)
     log_to_console(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
     handlers = {"sweep": _run, "fit": _run, "report": _report, "estimate": _estimate, "keys": _keys}
-    handler = {**handlers, "columns": _columns}[args.command]
+    handler = {**handlers, "bandwidth": _bandwidth, "columns": _columns}[args.command]
     try:
         return handler(args)
     except ConfigError as error:

@@ -258,13 +258,21 @@ def estimate(
     micro_batch_size: int = 64,
     calibration: Union[str, os.PathLike, None] = None,
     gpu_gib: Optional[float] = None,
+    measured: Union[str, os.PathLike, None] = None,
+    bandwidth: Union[str, os.PathLike, None] = None,
+    busbw: Optional[float] = None,
     overrides: Sequence[str] = (),
 ):
     """The memory model's table for any size, stage and worker count, without training or Ray: `model` is a
     model source (`hf:llama`, `timm:resnet50`, `large`, `pkg.module:factory`) or an experiment. Returns an
-    Estimate: `.table` (GiB per rank) and `.head` (what it rests on); print it for the CLI's text."""
+    Estimate: `.table` (GiB per rank) and `.head` (what it rests on); print it for the CLI's text. With
+    `measured` (a sweep's folder; its experiment when `model` is empty) and `bandwidth` (a file of
+    `bandwidth`) or `busbw` (GB/s): `.speed`, samples/s at each worker count predicted from its rows."""
     from ray_zero.report.estimate import estimate as estimate_table
 
+    speed_source = _speed_source(measured, bandwidth, busbw)
+    if not model and measured is not None:
+        model = dict(read_experiment_file(Path(measured)).get("experiment") or {})
     is_source = isinstance(model, str) and not model.endswith((".yaml", ".yml"))
     experiment = (
         validate_experiment(
@@ -273,9 +281,10 @@ def estimate(
         if is_source
         else experiment_of(model, overrides)
     )
-    return estimate_table(
+    info = describe(experiment, check_machine=False)
+    result = estimate_table(
         experiment,
-        describe(experiment, check_machine=False),
+        info,
         backend=backend,
         stages=stages,
         workers=workers,
@@ -283,4 +292,69 @@ def estimate(
         micro_batch_size=micro_batch_size,
         calibration_dir=calibration,
         gpu_gib=gpu_gib,
+    )
+    if speed_source is not None:
+        from ray_zero.report.speed_estimate import speed_head, speed_table
+        from ray_zero.store import load_trials
+
+        rows = load_trials(Path(measured))
+        result.speed = speed_table(
+            rows,
+            info,
+            workers,
+            speed_source,
+            experiment.reduce_bucket_size,
+            experiment.gradient_accumulation_steps,
+        )
+        result.speed_head = speed_head(speed_source, measured)
+    return result
+
+
+def _speed_source(measured, bandwidth, busbw):
+    """The bandwidth a speed prediction uses; bad combinations are one line each."""
+    from ray_zero.measure.bandwidth import given, read_bandwidth
+
+    if measured is None:
+        if bandwidth is not None or busbw is not None:
+            raise ConfigError(
+                "--bandwidth and --busbw go with --measured DIR (a sweep's folder to predict from)"
+            )
+        return None
+    if not (Path(measured) / "trials.jsonl").is_file():
+        raise ConfigError(f"--measured {measured}: no trials.jsonl there (give a sweep's output folder)")
+    if (bandwidth is None) == (busbw is None):
+        raise ConfigError(
+            "--measured: give one of --bandwidth FILE (from `python -m ray_zero bandwidth`) or --busbw GB/s"
+        )
+    return read_bandwidth(Path(bandwidth)) if bandwidth is not None else given(busbw)
+
+
+def bandwidth(
+    workers: Optional[int] = None,
+    *,
+    device: str = "auto",
+    min_mib: int = 1,
+    max_mib: int = 1024,
+    iterations: int = 20,
+    output: Union[str, os.PathLike] = "bandwidth.json",
+    address: Optional[str] = None,
+    command: Optional[str] = None,
+) -> Optional[Path]:
+    """Bus bandwidth of all-reduce, reduce-scatter and all-gather between `workers` of the cluster (default:
+    its GPUs, else 2 CPU workers; one TorchTrainer run), messages of `min_mib` to `max_mib` MiB (powers of
+    two), up to `iterations` timed calls each; written to `output` for `estimate(measured=...,
+    bandwidth=output)`. None at one worker: nothing to measure, and Ray does not start."""
+    from ray_zero.run.bandwidth import run_bandwidth
+
+    _use_cluster_token(address)
+    return run_bandwidth(
+        workers,
+        device,
+        min_mib,
+        max_mib,
+        Path(output),
+        command or "ray_zero.bandwidth()",
+        address,
+        iterations,
+        private_ray=checks_here(address),
     )

@@ -396,3 +396,24 @@ def test_fit_page_in_chromium(tmp_path):
     assert len(marks(figures["fit-maxima"], "max")) == len(pd.read_csv(folder / "fit.csv"))
     text = (folder / "report.html").read_text()
     assert 'id="fit"' in text and "timed runs of each setting" in text
+
+
+def test_each_ok_trial_has_a_bar_of_its_step_split(tmp_path):
+    """bench/results/speed-cpu-2core/sweep (every engine at 1 and 2 CPU ranks, rows with the step split):
+    one stacked bar per ok trial, a segment per phase, each hover title its milliseconds."""
+    folder = tmp_path / "speed"
+    shutil.copytree(ROOT / "bench" / "results" / "speed-cpu-2core" / "sweep", folder)
+    write_html_report(folder)
+    text = html.unescape((folder / "report.html").read_text())
+    rows = [json.loads(line) for line in (folder / "trials.jsonl").read_text().splitlines() if line.strip()]
+    ok = [row for row in rows if row["status"] == "ok"]
+    assert len(ok) == 16
+    figure = re.search(r'data-kind="steps" data-drawn="(\w+)"', text)
+    assert figure and figure.group(1) == "yes"
+    words = {"forward_s": "forward", "backward_s": "backward", "optimizer_s": "optimizer step"}
+    for row in ok:
+        for column, word in words.items():
+            assert f"{row['trial']}: {word} {row[column] * 1e3:.3g} ms of {row['step_s'] * 1e3:.3g}" in text
+    # rows of an earlier version have no split: a sentence, not a figure
+    old = html.unescape(render_html(ROOT / "results" / "memory_scaling-h200x2"))
+    assert re.search(r'data-kind="steps" data-drawn="no"', old) and "No ok trial has a step split" in old

@@ -28,9 +28,15 @@ class Estimate:
 
     head: str
     table: pd.DataFrame
+    speed_head: str = ""
+    speed: Optional[pd.DataFrame] = None
+    """With a measured sweep and a bandwidth: samples/s per worker count (report/speed_estimate.py)."""
 
     def __str__(self) -> str:
         text = self.table.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-")
+        if self.speed is not None:
+            speed = self.speed.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-")
+            text += f"\n\n{self.speed_head}\n{speed}"
         return f"{self.head}\n{text}"
 
 

@@ -19,6 +19,7 @@ from ray_zero.report.breakdown import BreakdownFigures
 from ray_zero.report.data import REPORT_FILE, read_sweep, table
 from ray_zero.report.fit_figures import FitFigures
 from ray_zero.report.frame import memory_note
+from ray_zero.report.step_figures import StepFigures
 from ray_zero.report.summary import header, headline
 from ray_zero.rows import SORT_KEYS
 from ray_zero.store import atomic_write
@@ -26,7 +27,7 @@ from ray_zero.store import atomic_write
 TEMPLATES = Path(__file__).parent / "templates"
 
 
-class PageFigures(AgainstFigures, BreakdownFigures, FitFigures):
+class PageFigures(AgainstFigures, BreakdownFigures, FitFigures, StepFigures):
     """Every figure of the page, numbered in the order they are drawn."""
 
 
@@ -60,6 +61,7 @@ def render_html(output_dir: Path) -> str:
             workers.title = f"{section['title']} against workers and micro-batch size ({section['device']})"
             section["figures"] = [workers]
     sections.append({"title": "Where the memory went", "figures": figures.breakdown()})
+    sections.append({"title": "Where a step's time went", "figures": [figures.step_split()]})
     fit_table, fit_figures = None, []
     if sweep.fit is not None:
         fit_figures = [figures.fit_maxima(), figures.fit_probes()]

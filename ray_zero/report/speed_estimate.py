@@ -1,0 +1,88 @@
+"""`estimate --measured DIR`: samples/s at each worker count, predicted from a sweep's measured rows with
+the bus bandwidth (ray_zero/measure/speed_model.py), beside what the sweep measured at that count.
+
+Each engine, stage, micro-batch and precision is predicted from its row of fewest workers (the one whose
+split says the least about communication it did not have); a row measured at the target count stands
+beside its prediction, and a target nobody measured says so in `measured`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import pandas as pd
+
+from ray_zero.measure.bandwidth import Bandwidth
+from ray_zero.measure.speed_model import predict_speed
+
+KEY = ("backend", "stage", "micro_batch_size", "precision", "activation_checkpointing")
+
+
+def _key(row: dict) -> tuple:
+    # rows of earlier versions leave the defaults out (no backend: DeepSpeed; no checkpointing: off)
+    defaults = {"backend": "deepspeed", "activation_checkpointing": False}
+    return tuple(row.get(k) if row.get(k) is not None else defaults.get(k) for k in KEY)
+
+
+def _has_split(row: dict) -> bool:
+    step = row.get("step_s")
+    return step is not None and step == step and step > 0
+
+
+def speed_table(
+    rows: list[dict],
+    model,
+    workers: Sequence[int],
+    bandwidth: Bandwidth,
+    bucket_elements: float,
+    accumulation: int = 1,
+) -> pd.DataFrame:
+    """A row per measured configuration and worker count: the predicted step, its band and samples/s, and
+    the measured samples/s where the sweep has that point."""
+    by_key: dict[tuple, dict[int, dict]] = {}
+    for row in rows:
+        if row.get("status") == "ok":
+            by_key.setdefault(_key(row), {})[int(row["num_workers"])] = row
+    table = []
+    for key, measured in sorted(by_key.items(), key=lambda item: tuple(str(v) for v in item[0])):
+        # rows of earlier versions have no step split: they stand as measured, never predicted from
+        split = [n for n, row in measured.items() if _has_split(row)]
+        if not split:
+            continue
+        base_workers = min(split)
+        base = measured[base_workers]
+        for n in sorted(set(workers) | set(measured)):
+            speed = predict_speed(model, base, n, bandwidth, bucket_elements, accumulation)
+            if speed is None:
+                continue
+            there = measured.get(n)
+            table.append(
+                {
+                    "backend": base["backend"],
+                    "stage": base["stage"],
+                    "micro_batch": base["micro_batch_size"],
+                    "from_workers": base_workers,
+                    "workers": n,
+                    "comm_gb": sum(speed.comm_bytes.values()) / 1e9,
+                    "compute_ms": speed.compute_s * 1e3,
+                    "optimizer_ms": speed.optimizer_s * 1e3,
+                    "comm_ms": speed.comm_s * 1e3,
+                    "step_ms": speed.step_s * 1e3,
+                    "samples_per_s": speed.samples_per_s,
+                    "samples_per_s_band": f"{speed.samples_per_s_low:.4g}-{speed.samples_per_s_high:.4g}",
+                    "per_worker": speed.samples_per_s_per_worker,
+                    "measured": float(there["samples_per_s"]) if there else None,
+                    "error": speed.samples_per_s / float(there["samples_per_s"]) - 1 if there else None,
+                }
+            )
+    return pd.DataFrame(table)
+
+
+def speed_head(bandwidth: Bandwidth, folder) -> str:
+    return (
+        f"Speed predicted from {folder}'s rows (each from its row of fewest workers) at {bandwidth.source}: "
+        "step = compute + optimizer (scaled by the optimizer states each rank steps) + communication "
+        "(bytes x bus factor / busbw), less what the row showed hidden; the band runs from no overlap to "
+        "full overlap. measured: the sweep's samples/s at that point (blank: not measured); error: "
+        "predicted over measured, less 1."
+    )
