@@ -417,3 +417,22 @@ def test_each_ok_trial_has_a_bar_of_its_step_split(tmp_path):
     # rows of an earlier version have no split: a sentence, not a figure
     old = html.unescape(render_html(ROOT / "results" / "memory_scaling-h200x2"))
     assert re.search(r'data-kind="steps" data-drawn="no"', old) and "No ok trial has a step split" in old
+
+
+def test_a_folder_with_a_bandwidth_file_predicts_speed_beside_the_measured(tmp_path):
+    """With bandwidth.json in the folder the page adds samples/s at 1-8 workers, each configuration
+    predicted from its one-worker row, the measured 2-worker rate and the error beside it."""
+    folder = tmp_path / "speed"
+    source = ROOT / "bench" / "results" / "speed-cpu-2core"
+    shutil.copytree(source / "sweep", folder)
+    shutil.copy(source / "bandwidth.json", folder / "bandwidth.json")
+    page = html.unescape(render_html(folder))
+    section = page[page.index('id="speed-table"') : page.index('id="results"')]
+    assert "Speed at other worker counts, predicted" in section and "bandwidth.json (2 workers, gloo" in section
+    assert str(tmp_path) not in section
+    rows = [json.loads(line) for line in (folder / "trials.jsonl").read_text().splitlines() if line.strip()]
+    for row in rows:
+        if row["status"] == "ok" and row["num_workers"] == 2:  # measured beside its prediction
+            assert f"{row['samples_per_s']:.4g}"[:4] in section
+    assert section.count("<tr") == 1 + 8 * 4  # its header, and 8 configurations at 1, 2, 4 and 8 workers
+    assert 'id="speed-table"' not in render_html(source / "sweep")  # no bandwidth file: no table

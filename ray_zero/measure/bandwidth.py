@@ -82,7 +82,7 @@ def given(busbw_gbps: float) -> Bandwidth:
     return Bandwidth(f"busbw {busbw_gbps:g} GB/s as given", constant=busbw_gbps)
 
 
-def read_bandwidth(path: Path) -> Bandwidth:
+def read_bandwidth(path: Path, label: Optional[str] = None) -> Bandwidth:
     """A `python -m ray_zero bandwidth` file: {"kind": FILE_KIND, "workers", "backend", "where",
     "results": [{"collective", "bytes", "time_s", "algbw_gbps", "busbw_gbps"}, ...], ...}."""
     path = Path(path)
@@ -102,4 +102,4 @@ def read_bandwidth(path: Path) -> Bandwidth:
             f"--bandwidth {path}: no figures in it (it was measured at {data.get('workers')} worker)"
         )
     where = f"{data.get('workers')} workers, {data.get('backend')}, {data.get('where', '?')}"
-    return Bandwidth(f"{path} ({where})", {k: sorted(v) for k, v in curves.items()})
+    return Bandwidth(f"{label or path} ({where})", {k: sorted(v) for k, v in curves.items()})

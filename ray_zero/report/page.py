@@ -19,10 +19,11 @@ from ray_zero.report.breakdown import BreakdownFigures
 from ray_zero.report.data import REPORT_FILE, read_sweep, table
 from ray_zero.report.fit_figures import FitFigures
 from ray_zero.report.frame import memory_note
+from ray_zero.report.speed_estimate import folder_speed
 from ray_zero.report.step_figures import StepFigures
 from ray_zero.report.summary import header, headline
 from ray_zero.rows import SORT_KEYS
-from ray_zero.store import atomic_write
+from ray_zero.store import atomic_write, read_experiment_file
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -67,6 +68,12 @@ def render_html(output_dir: Path) -> str:
         fit_figures = [figures.fit_maxima(), figures.fit_probes()]
         fit_columns = [(c, c.replace("_", " "), c) for c in sweep.fit.columns]
         fit_table = table(sweep.fit, fit_columns, keep_constant=[c for c, _, _ in fit_columns])
+    speed_note, speed_table = None, None
+    speed = folder_speed(sweep.folder, list(sweep.rows.values()), read_experiment_file(sweep.folder))
+    if speed is not None:
+        speed_note, frame = speed
+        speed_columns = [(c, c.replace("_", " "), c) for c in frame.columns]
+        speed_table = table(frame.round(4), speed_columns, keep_constant=[c for c, _, _ in speed_columns])
     frame = sweep.frame.sort_values(SORT_KEYS, kind="stable") if len(sweep.frame) else sweep.frame
     environment = Environment(
         loader=FileSystemLoader(TEMPLATES),
@@ -80,6 +87,8 @@ def render_html(output_dir: Path) -> str:
         table=table(frame),
         fit_table=fit_table,
         fit_figures=fit_figures,
+        speed_table=speed_table,
+        speed_note=speed_note,
         sections=sections,
         memory_note=memory_note(sweep.frame).replace("`", ""),
         trials=len(sweep.frame),

@@ -8,13 +8,18 @@ beside its prediction, and a target nobody measured says so in `measured`.
 
 from __future__ import annotations
 
-from typing import Sequence
+import types
+from pathlib import Path
+from typing import Optional, Sequence
 
 import pandas as pd
 
-from ray_zero.measure.bandwidth import Bandwidth
+from ray_zero.measure.bandwidth import Bandwidth, read_bandwidth
 from ray_zero.measure.speed_model import predict_speed
 
+BANDWIDTH_FILE = "bandwidth.json"
+"""A sweep folder's bandwidth file (`python -m ray_zero bandwidth --output DIR/bandwidth.json`): with it, the
+report predicts samples/s at other worker counts beside the measured ones."""
 KEY = ("backend", "stage", "micro_batch_size", "precision", "activation_checkpointing")
 
 
@@ -86,3 +91,25 @@ def speed_head(bandwidth: Bandwidth, folder) -> str:
         "full overlap. measured: the sweep's samples/s at that point (blank: not measured); error: "
         "predicted over measured, less 1."
     )
+
+
+def folder_speed(folder: Path, rows: list[dict], saved: dict) -> Optional[tuple[str, pd.DataFrame]]:
+    """The report's speed table for a sweep folder holding BANDWIDTH_FILE, from its rows and the model as
+    the sweep described it (experiment.yaml); None without the file or a row with a step split."""
+    path = Path(folder) / BANDWIDTH_FILE
+    model, experiment = saved.get("model"), saved.get("experiment") or {}
+    if not path.is_file() or not model or "trainable_param_shapes" not in model:
+        return None
+    bandwidth = read_bandwidth(
+        path, BANDWIDTH_FILE
+    )  # the page names no absolute path: the same bytes anywhere
+    measured = {int(r["num_workers"]) for r in rows if r.get("status") == "ok"}
+    frame = speed_table(
+        rows,
+        types.SimpleNamespace(**model),  # the description's fields, as ModelInfo had them
+        sorted(measured | {1, 2, 4, 8}),
+        bandwidth,
+        experiment.get("reduce_bucket_size", 5e7),
+        experiment.get("gradient_accumulation_steps", 1),
+    )
+    return (speed_head(bandwidth, Path(folder).name), frame) if len(frame) else None

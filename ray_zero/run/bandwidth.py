@@ -15,7 +15,6 @@ import json
 import platform
 import shutil
 import tempfile
-import types
 from pathlib import Path
 from typing import Any, Optional
 
@@ -152,7 +151,7 @@ def _measure(workers: int, use_gpu: bool, sizes: list[int], iterations: int, pri
 
     from ray_zero.run.trial import train_environment
 
-    train_environment(types.SimpleNamespace(private_ray=private_ray))  # the sweep's Ray Train settings
+    train_environment(private_ray)  # the sweep's Ray Train settings
     inbox = Queue(actor_options={"num_cpus": 0})  # beside the workers, not in their CPUs
     storage = tempfile.mkdtemp(prefix="ray_zero-bandwidth-")  # Ray Train's run state; nothing to keep
     try:

@@ -165,7 +165,7 @@ def _row(search: SearchSpec, ranks: list[dict[str, Any]], started_at: float) -> 
 def drive_search(search: SearchSpec, key: str, log, record: Callable[[dict[str, Any]], None]) -> None:
     """Run one search to its end, in as few TorchTrainer runs as it takes; `record(row)` gets each probe's
     row as it comes. `key` names the search's runs (unique within the trial log `log`)."""
-    train_environment(search.spec)
+    train_environment(search.spec.private_ray)
     state = SearchState(search)
     started_at = time.time()
     retries = 0

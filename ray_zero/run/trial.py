@@ -137,8 +137,9 @@ def failure_fields(error: BaseException) -> dict[str, Any]:
     return failed_row_fields(failures or {None: error})
 
 
-def train_environment(spec: TrialSpec) -> None:
-    """Settings Ray Train reads from the driver's environment, before its first TorchTrainer."""
+def train_environment(private_ray: bool) -> None:
+    """Settings Ray Train reads from the driver's environment, before its first TorchTrainer
+    (`private_ray`: a Ray that ray_zero started on this machine)."""
     # Read by Ray Train in this process and passed on to its controller. The controller polls its workers
     # every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default): a finished trial waited up to 2 s to be
     # noticed.
@@ -149,7 +150,7 @@ def train_environment(spec: TrialSpec) -> None:
     # Ray Train moves each worker into a new folder per run; the kernels cuDNN compiles at run time are
     # reused by a later process only from the same working directory (about 1 s a trial on the H200).
     os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
-    if spec.private_ray:
+    if private_ray:
         # Ray Train watches every run's nodes for preemption from an actor of its own: a process more per
         # trial, for nodes that cannot be preempted on a private Ray.
         os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
@@ -194,7 +195,7 @@ def run_trial(config: dict[str, Any]) -> None:
     that runs out of memory on a GPU it shares with other trials runs again alone before its row says
     so: the other trials' memory, not its own, may have been the cause."""
     spec: TrialSpec = config["trial"]["spec"]
-    train_environment(spec)
+    train_environment(spec.private_ray)
     context = tune.get_context()
     trial_key = spec.name + context.get_trial_id()  # the trial log's key: built here only, passed on
     log = ray.get_actor(config["log_name"])
