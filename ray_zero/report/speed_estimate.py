@@ -45,8 +45,8 @@ def speed_table(
     """A row per measured configuration and worker count: the predicted step, its band and samples/s, and
     the measured samples/s where the sweep has that point."""
     by_key: dict[tuple, dict[int, dict]] = {}
-    for row in rows:
-        if row.get("status") == "ok":
+    for row in rows:  # the grid's points: calibration trials measure memory in a few steps
+        if row.get("status") == "ok" and not str(row.get("trial", "")).endswith("_calibration"):
             by_key.setdefault(_key(row), {})[int(row["num_workers"])] = row
     table = []
     for key, measured in sorted(by_key.items(), key=lambda item: tuple(str(v) for v in item[0])):
