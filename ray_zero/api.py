@@ -269,8 +269,9 @@ def estimate(
     `measured` (a sweep's folder; its experiment when `model` is empty) and `bandwidth` (a file of
     `bandwidth`) or `busbw` (GB/s): `.speed`, samples/s at each worker count predicted from its rows."""
     from ray_zero.report.estimate import estimate as estimate_table
+    from ray_zero.report.speed_estimate import speed_head, speed_source, speed_table
 
-    speed_source = _speed_source(measured, bandwidth, busbw)
+    source = speed_source(measured, bandwidth, busbw)
     if not model and measured is not None:
         model = dict(read_experiment_file(Path(measured)).get("experiment") or {})
     is_source = isinstance(model, str) and not model.endswith((".yaml", ".yml"))
@@ -293,40 +294,19 @@ def estimate(
         calibration_dir=calibration,
         gpu_gib=gpu_gib,
     )
-    if speed_source is not None:
-        from ray_zero.report.speed_estimate import speed_head, speed_table
+    if source is not None:
         from ray_zero.store import load_trials
 
-        rows = load_trials(Path(measured))
         result.speed = speed_table(
-            rows,
+            load_trials(Path(measured)),
             info,
             workers,
-            speed_source,
+            source,
             experiment.reduce_bucket_size,
             experiment.gradient_accumulation_steps,
         )
-        result.speed_head = speed_head(speed_source, measured)
+        result.speed_head = speed_head(source, measured)
     return result
-
-
-def _speed_source(measured, bandwidth, busbw):
-    """The bandwidth a speed prediction uses; bad combinations are one line each."""
-    from ray_zero.measure.bandwidth import given, read_bandwidth
-
-    if measured is None:
-        if bandwidth is not None or busbw is not None:
-            raise ConfigError(
-                "--bandwidth and --busbw go with --measured DIR (a sweep's folder to predict from)"
-            )
-        return None
-    if not (Path(measured) / "trials.jsonl").is_file():
-        raise ConfigError(f"--measured {measured}: no trials.jsonl there (give a sweep's output folder)")
-    if (bandwidth is None) == (busbw is None):
-        raise ConfigError(
-            "--measured: give one of --bandwidth FILE (from `python -m ray_zero bandwidth`) or --busbw GB/s"
-        )
-    return read_bandwidth(Path(bandwidth)) if bandwidth is not None else given(busbw)
 
 
 def bandwidth(

@@ -191,14 +191,14 @@ def failed_row_fields(failures: dict[Any, BaseException]) -> dict[str, Any]:
     return {"status": "failed", "error": where + one_line_reason(worker_error)}
 
 
+EARLIER_DEFAULTS = {"backend": "deepspeed", "activation_checkpointing": False, "offload_optimizer": "none"}
+"""What rows of earlier versions leave out (they ran DeepSpeed only)."""
+
+
 def finish_row(row: dict[str, Any], calibration: Optional[dict] = None) -> dict[str, Any]:
     """Prediction and comparison columns, every column present, in table order."""
-    for key, default in (
-        ("backend", "deepspeed"),
-        ("activation_checkpointing", False),
-        ("offload_optimizer", "none"),
-    ):
-        row.setdefault(key, default)  # rows of earlier versions: DeepSpeed only
+    for key, default in EARLIER_DEFAULTS.items():
+        row.setdefault(key, default)
     prediction = predict_point(row, calibration)
     row["predicted_model_state_gib"] = prediction.model_state_bytes / GIB
     row["predicted_peak_gib"] = prediction.peak_bytes / GIB if prediction.peak_bytes is not None else None

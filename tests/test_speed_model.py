@@ -120,3 +120,17 @@ def test_a_two_rank_row_carries_its_hidden_share_of_communication(seed):
 
 def test_a_row_without_a_split_is_not_predicted(seed):
     assert predict_speed(seed, {**row(), "forward_s": None}, 2, given(1.0), 5e7) is None
+
+
+def test_estimates_speed_options_are_one_line_each(tmp_path):
+    from ray_zero.report.speed_estimate import speed_source
+
+    assert speed_source(None, None, None) is None
+    with pytest.raises(ConfigError, match="go with --measured DIR"):
+        speed_source(None, None, 3.0)
+    with pytest.raises(ConfigError, match="no trials.jsonl there"):
+        speed_source(tmp_path, None, 3.0)
+    (tmp_path / "trials.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="give one of --bandwidth FILE"):
+        speed_source(tmp_path, tmp_path / "bw.json", 3.0)
+    assert speed_source(tmp_path, None, 3.0).busbw("all_reduce", 2**20) == 3.0

@@ -14,8 +14,10 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from ray_zero.measure.bandwidth import Bandwidth, read_bandwidth
+from ray_zero.config import ConfigError
+from ray_zero.measure.bandwidth import Bandwidth, given, read_bandwidth
 from ray_zero.measure.speed_model import predict_speed
+from ray_zero.rows import EARLIER_DEFAULTS
 
 BANDWIDTH_FILE = "bandwidth.json"
 """A sweep folder's bandwidth file (`python -m ray_zero bandwidth --output DIR/bandwidth.json`): with it, the
@@ -24,9 +26,7 @@ KEY = ("backend", "stage", "micro_batch_size", "precision", "activation_checkpoi
 
 
 def _key(row: dict) -> tuple:
-    # rows of earlier versions leave the defaults out (no backend: DeepSpeed; no checkpointing: off)
-    defaults = {"backend": "deepspeed", "activation_checkpointing": False}
-    return tuple(row.get(k) if row.get(k) is not None else defaults.get(k) for k in KEY)
+    return tuple(row.get(k) if row.get(k) is not None else EARLIER_DEFAULTS.get(k) for k in KEY)
 
 
 def _has_split(row: dict) -> bool:
@@ -113,3 +113,21 @@ def folder_speed(folder: Path, rows: list[dict], saved: dict) -> Optional[tuple[
         experiment.get("gradient_accumulation_steps", 1),
     )
     return (speed_head(bandwidth, Path(folder).name), frame) if len(frame) else None
+
+
+def speed_source(measured, bandwidth, busbw) -> Optional[Bandwidth]:
+    """`estimate`'s bandwidth for a speed prediction (None without `measured`); bad combinations are one
+    line each."""
+    if measured is None:
+        if bandwidth is not None or busbw is not None:
+            raise ConfigError(
+                "--bandwidth and --busbw go with --measured DIR (a sweep's folder to predict from)"
+            )
+        return None
+    if not (Path(measured) / "trials.jsonl").is_file():
+        raise ConfigError(f"--measured {measured}: no trials.jsonl there (give a sweep's output folder)")
+    if (bandwidth is None) == (busbw is None):
+        raise ConfigError(
+            "--measured: give one of --bandwidth FILE (from `python -m ray_zero bandwidth`) or --busbw GB/s"
+        )
+    return read_bandwidth(Path(bandwidth)) if bandwidth is not None else given(busbw)
