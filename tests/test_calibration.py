@@ -151,3 +151,15 @@ def test_real_calibration_trials_fit_a_line_on_a_rank(ranks, tmp_path):
     assert fit["verdict"] == "ok" and fit["bytes_per_sample"] > 0, fit
     # autograd's count is exact: the three points lie on the line to within a few bytes per sample.
     assert fit["max_residual_bytes"] < 0.01 * fit["bytes_per_sample"]
+
+
+def test_a_small_end_above_the_line_does_not_tilt_the_slope():
+    # BERT-large's DeepSpeed calibration on an H200 (2026-12-04): micro-batch 2 sat 0.26 GiB above the line
+    # that 4, 6, 8 and 16 followed; least squares fitted 437 MiB a sample, the larger sizes rose 504.
+    [fit] = calibration.fit_lines(_rows({2: 1341844480, 4: 2115827200, 6: 3173180928}), True)
+    assert fit["least_squares_bytes_per_sample"] == pytest.approx(457834112)
+    assert fit["bytes_per_sample"] == pytest.approx((3173180928 - 2115827200) / 2)
+    # A larger point below the line (a baseline shift, DDP's at the same run) keeps the least-squares slope.
+    [shifted] = calibration.fit_lines(_rows({2: 2058483712, 4: 3443059200, 6: 3524082688}), True)
+    assert shifted["bytes_per_sample"] == shifted["least_squares_bytes_per_sample"]
+    assert shifted["verdict"].startswith("doubtful: not linear")
