@@ -81,8 +81,10 @@ class Recorder:
         row["recorded_at"] = time.time()  # when the sweep had it: what each trial adds to a sweep (bench/)
         append_trial(self.output_dir, row)
         frame = write_results(self.output_dir, load_trials(self.output_dir), read_provenance(self.output_dir))
+        # The sweep's last row: the session's finish draws the pages once more anyway (run/session.py).
+        last = self.total is not None and len(frame) >= self.total
         try:
-            if self.pages:
+            if self.pages and not last:
                 write_pages(self.output_dir, frame)
         except Exception as error:  # the tables are written; a figure must not end the sweep
             log.warning(

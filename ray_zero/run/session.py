@@ -12,6 +12,7 @@ import os
 import platform
 import shlex
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,11 +23,9 @@ from ray import tune
 from ray_zero.config import ConfigError, Experiment, Point, TrialSpec
 from ray_zero.console import log
 from ray_zero.measure.calibration import read_calibration
-from ray_zero.report.tables import write_pages, write_results
 from ray_zero.rows import finish_row, skipped_row
 from ray_zero.run.cluster import joined_cluster, start_ray
 from ray_zero.run.plan import Cluster, Plan, check_model_fits, local_cluster, plan_sweep
-from ray_zero.run.recorder import ResultsWriter
 from ray_zero.run.trial import run_trial
 from ray_zero.run.trial_log import trial_log
 from ray_zero.store import (
@@ -98,6 +97,14 @@ def provenance(experiment: Experiment, cluster: Cluster, plan: Plan, command: st
     }
 
 
+def _import_report() -> None:
+    """The tables' and figures' modules, in a thread of their own while Ray starts (Session.__enter__)."""
+    try:
+        import ray_zero.report.tables  # noqa: F401
+    except ImportError:  # raised again where the tables are first written
+        pass
+
+
 class Session:
     """A sweep's Ray, cluster, plan and output folder, for a grid (`run_grid`) or a search
     (ray_zero/run/fit.py)."""
@@ -126,6 +133,9 @@ class Session:
     def __enter__(self) -> "Session":
         if self.resume and repair_trials(self.output_dir):
             log.warning(f"{TRIALS_FILE}: a half-written last row was cut off; its trial runs again")
+        # The tables' and figures' modules (matplotlib, Jinja2; no Ray) load while ray.init waits for
+        # Ray's processes to start: half a second off the sweep's start.
+        threading.Thread(target=_import_report, name="ray_zero import", daemon=True).start()
         context, self.joined = start_ray(self.address, self.verbose)
         try:
             self.cluster = joined_cluster(self.joined) if self.joined else local_cluster()
@@ -198,6 +208,8 @@ class Session:
         for point, reason in self.plan.skipped:
             if self.spec(point).name not in recorded:
                 append_trial(self.output_dir, skipped_row(self.spec(point), reason))
+        from ray_zero.report.tables import write_results
+
         write_results(self.output_dir, load_trials(self.output_dir), self.provenance)
 
     def tuner(
@@ -210,6 +222,8 @@ class Session:
         tune_name: str = "tune",
     ) -> tune.Tuner:
         """A Tuner of `run_trial` over param_space (a grid) or search_alg (a search)."""
+        from ray_zero.run.recorder import ResultsWriter  # with the tables (see __enter__)
+
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # with verbose=0: no Tune tables on the terminal
         # The trial is a driver only (the work is in its Train workers): it reserves no CPU, so a 2-CPU
         # machine can still run a 2-worker trial. Tune needs some resource in the request: a little memory.
@@ -246,6 +260,8 @@ class Session:
         """The tables (and pages) once more, each row predicted with the calibration as it is now (a row
         that finished before the calibration did has it here), copied to the storage path; the table (a
         DataFrame)."""
+        from ray_zero.report.tables import write_pages, write_results
+
         found = read_calibration(self.output_dir)
         rows = [finish_row(row, found) for row in load_trials(self.output_dir)]
         frame = write_results(self.output_dir, rows, self.provenance)

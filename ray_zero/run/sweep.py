@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -141,7 +142,12 @@ def run_sweep(
                 on_row=CalibrationRecorder(session, {s.name for s in calibrating}),
                 tune_name=f"tune-resumed-{int(time.time())}" if resume else "tune",
             ).fit()
-        frame = session.finish()
-        if len(frame) < total:  # Tune stops early on Ctrl-C or SIGTERM, after saving its state
-            raise SweepIncomplete(len(frame), total)
-        return frame
+        # The tables and the page are drawn while the session's exit shuts Ray down (which mostly waits
+        # for Ray's processes to end): they need no Ray.
+        pool = ThreadPoolExecutor(1, thread_name_prefix="ray_zero finish")
+        finishing = pool.submit(session.finish)
+    frame = finishing.result()
+    pool.shutdown()
+    if len(frame) < total:  # Tune stops early on Ctrl-C or SIGTERM, after saving its state
+        raise SweepIncomplete(len(frame), total)
+    return frame
