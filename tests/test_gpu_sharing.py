@@ -180,3 +180,13 @@ def test_no_trial_sets_up_or_measures_while_another_measures_on_its_device(ranks
     free.acquire()
     assert free.waited_s < 1
     free.release()
+
+
+def test_auto_trials_per_gpu_follow_the_hosts_cpus_and_memory():
+    from ray_zero.run.gpu_sharing import trials_per_gpu
+
+    assert trials_per_gpu(6, 16, 1, 128 * GIB) == 6  # a number is taken as given
+    assert trials_per_gpu("auto", 16, 1, 128 * GIB) == 16  # the lent H200: 16 cores, 128 GiB
+    assert trials_per_gpu("auto", 128, 8, 560 * GIB) == 16  # 8 x H200: 16 cores and 70 GiB a GPU
+    assert trials_per_gpu("auto", 32, 1, 24 * GIB) == 6  # a workstation: memory bounds it
+    assert trials_per_gpu("auto", 4, 8, None) == 1  # fewer cores than GPUs: still one a GPU

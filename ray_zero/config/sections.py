@@ -182,9 +182,10 @@ class Runtime(StrictModel):
     builds its model and engine beside the others, then waits for the GPU's measurement turn, so that no
     two trials' warm-up or timed steps overlap on one GPU (run/gpu_sharing.py says the rule). false: one
     trial per GPU at a time (+1 starting early, overlap_startup)."""
-    max_trials_per_gpu: int = Field(default=6, gt=0)
+    max_trials_per_gpu: Union[Literal["auto"], int] = "auto"
     """With share_gpus: at most this many trials on one GPU at once (each is a process, with its CUDA
-    context and its share of the host's CPUs and memory)."""
+    context and its share of the host's CPUs and memory). auto: the cluster's CPUs per GPU, and no more
+    than its memory holds at 4 GiB of host memory a trial (run/gpu_sharing.py)."""
     trial_timeout_s: Union[Literal["auto"], float, None] = "auto"
     """A trial's bound: past this many seconds of its own (its GPU turns' waits left out) it is stopped,
     its ranks' stacks kept, and its row says timeout. auto: 600 s, or four times its steps at a
@@ -205,6 +206,13 @@ class Runtime(StrictModel):
         if value not in ("auto", None) and not (number and value > 0):
             raise ValueError(f"must be auto, a positive number of seconds or null (none), not {value!r}")
         return float(value) if number else value
+
+    @field_validator("max_trials_per_gpu", mode="before")
+    @classmethod
+    def _auto_or_a_count(cls, value: Any) -> Any:
+        if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"must be auto or an integer of at least 1, not {value!r}")
+        return value
 
     @field_validator("storage_path")
     @classmethod

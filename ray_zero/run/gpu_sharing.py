@@ -39,6 +39,20 @@ UNCALIBRATED_FACTOR = 2.0
 times this, for the kernels' temporaries and the loss's fp32 logits that the allocator also holds."""
 SHARE_STEP = 1e-4
 """Ray's resolution for fractional resources."""
+HOST_BYTES_PER_TRIAL = 4 * GIB
+"""Host memory a trial holds while it waits for its turn: its worker, with torch, DeepSpeed, Transformers
+and a CUDA context, and its Tune and Train driver processes."""
+
+
+def trials_per_gpu(setting, cpus: int, gpus: int, host_bytes: Optional[float]) -> int:
+    """runtime.max_trials_per_gpu resolved: a number as given; auto, the CPUs per GPU (a trial sets up on
+    about one core: imports, model build), and no more than the host memory per GPU holds."""
+    if setting != "auto":
+        return int(setting)
+    by_cpus = max(1, cpus // max(gpus, 1))
+    if not host_bytes:
+        return by_cpus
+    return max(1, min(by_cpus, int(host_bytes / max(gpus, 1) // HOST_BYTES_PER_TRIAL)))
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
+import ray
 from ray import tune
 
 from ray_zero.config import Experiment, TrialSpec
@@ -21,7 +22,7 @@ from ray_zero.measure.calibration import read_calibration
 from ray_zero.measure.prediction import GIB
 from ray_zero.models.describe import describe_model
 from ray_zero.rows import trial_row
-from ray_zero.run.gpu_sharing import Sharing, gpu_shares, memory_need
+from ray_zero.run.gpu_sharing import Sharing, gpu_shares, memory_need, trials_per_gpu
 from ray_zero.run.session import Session
 from ray_zero.run.trial import trial_config
 from ray_zero.store import load_trials
@@ -81,7 +82,12 @@ def shared(session: Session, specs: list[TrialSpec]) -> tuple[list[TrialSpec], O
         {s.name: s.point.num_workers for s in specs},
         gpu_gib * GIB,
         session.cluster.gpus,
-        runtime.max_trials_per_gpu,
+        trials_per_gpu(
+            runtime.max_trials_per_gpu,
+            session.cluster.cpus,
+            session.cluster.gpus,
+            ray.cluster_resources().get("memory"),
+        ),
     )
     return [dataclasses.replace(s, gpu_share=sharing.shares[s.name]) for s in specs], sharing
 
