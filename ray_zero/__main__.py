@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import shlex
 import sys
@@ -312,9 +311,7 @@ def _bandwidth(args) -> int:
         print(f"ray_zero: error: {error}", file=sys.stderr)
         return 1
     if written is not None:
-        content = json.loads(written.read_text())
-        print(f"bandwidth: {content['where']}, {content['backend']}")
-        print(bandwidth_table(content["results"]))
+        print(bandwidth_table(written))
         print(f"ray_zero: written to {written} (for estimate --measured DIR --bandwidth {written})")
     return 0
 

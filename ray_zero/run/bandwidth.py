@@ -99,10 +99,15 @@ def write_bandwidth_file(path: Path, content: dict[str, Any]) -> Path:
     return path
 
 
-def bandwidth_table(rows: list[dict]) -> str:
-    """The rows as a console table: collective, MiB, time ms, algbw and busbw GB/s."""
-    lines = [f"{'collective':<15}{'MiB':>7}{'time ms':>11}{'algbw GB/s':>12}{'busbw GB/s':>12}"]
-    for row in rows:
+def bandwidth_table(path: Path) -> str:
+    """A bandwidth file for the console: where it was measured, then collective, MiB, time ms, algbw and
+    busbw GB/s."""
+    content = json.loads(path.read_text())
+    lines = [
+        f"bandwidth: {content['where']}, {content['backend']}",
+        f"{'collective':<15}{'MiB':>7}{'time ms':>11}{'algbw GB/s':>12}{'busbw GB/s':>12}",
+    ]
+    for row in content["results"]:
         lines.append(
             f"{row['collective']:<15}{row['bytes'] / MIB:>7.4g}{row['time_s'] * 1e3:>11.3f}"
             f"{row['algbw_gbps']:>12.3f}{row['busbw_gbps']:>12.3f}"
