@@ -82,7 +82,10 @@ def compare(runs: dict[str, list[Path]]) -> pd.DataFrame:
             mine = [run[name] for run in rows[side] if name in run]
             entry[f"status_{side}"] = "/".join(sorted({r["status"] for r in mine})) or "-"
             entry[f"peak_gib_{side}"] = _median([r.get("peak_allocated_gib_max") for r in mine])
-            entry[f"samples_per_s_{side}"] = _median([r.get("samples_per_s") for r in mine])
+            rates = [r.get("samples_per_s") for r in mine if r.get("samples_per_s")]
+            entry[f"samples_per_s_{side}"] = _median(rates)
+            # The same scheduling run again: how far apart its own runs' rates lie (max over min).
+            entry[f"spread_{side}"] = max(rates) / min(rates) if len(rates) > 1 else None
         old, new = entry["peak_gib_old"], entry["peak_gib_new"]
         if old is not None and new is not None:
             entry["peak_diff_gib"] = new - old
@@ -109,7 +112,10 @@ def summary(output: Path, command: str, old_label: str) -> str:
     runs = {side: sorted(output.glob(f"{side}-*/")) for side in ("old", "new")}
     points = compare(runs)
     provenance = next((read_provenance(f) for f in runs["new"] if read_provenance(f)), None) or {}
-    ratios = points["samples_per_s_ratio"].dropna() if len(points) else pd.Series(dtype=float)
+    # The grid's points: a calibration trial measures memory only, its rate is 2 timed steps (~0.1 s).
+    grid = points[~points["trial"].str.endswith("_calibration")] if len(points) else points
+    ratios = grid["samples_per_s_ratio"].dropna() if len(grid) else pd.Series(dtype=float)
+    within = int(((ratios - 1).abs() <= 0.10).sum())
     agree = points["peak_agrees"].dropna() if "peak_agrees" in points else pd.Series(dtype=bool)
     overlaps = sum(len(measuring_overlaps(folder)) for folder in runs["new"])
     wall_ratios = walls_frame["ratio"].dropna() if "ratio" in walls_frame else pd.Series(dtype=float)
@@ -127,8 +133,14 @@ def summary(output: Path, command: str, old_label: str) -> str:
         "",
         markdown_table(points, list(points.columns)) if len(points) else "(no rows)",
         "",
-        f"Peaks within 0.5 % or 32 MiB: {int(agree.sum())} of {len(agree)} points; samples/s new over old: "
-        + (f"median {ratios.median():.3f} ({ratios.min():.3f}-{ratios.max():.3f})" if len(ratios) else "-")
+        f"Peaks within 0.5 % or 32 MiB: {int(agree.sum())} of {len(agree)} trials; samples/s new over old, "
+        "the grid's points (calibration trials measure memory only): "
+        + (
+            f"median {ratios.median():.3f} ({ratios.min():.3f}-{ratios.max():.3f}), "
+            f"{within} of {len(ratios)} within 10 %"
+            if len(ratios)
+            else "-"
+        )
         + f"; trials that measured while another measured or set up on their GPU (new runs): {overlaps}",
     ]
     return "\n".join(lines)
@@ -164,6 +176,10 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument(
+        "--old-set", dest="old_overrides", action="append", default=[],
+        help="an override for the old side only, e.g. runtime.overlap_startup=false: strictly one at a time",
+    )
+    parser.add_argument(
         "--new-set", dest="new_overrides", action="append", default=[],
         help="an override for the new side only (a setting the old checkout does not have)",
     )
@@ -175,11 +191,13 @@ def main(argv=None) -> int:
     output = args.output.resolve()
     output.mkdir(parents=True, exist_ok=True)
     old_label = f"the checkout {args.old}" if args.old else "this checkout, runtime.share_gpus=false"
+    old_label += "".join(f", {o}" for o in args.old_overrides)
     command = "python bench/sweep_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if not args.summarize:
         experiment = args.experiment.resolve()
         old_code = args.old.resolve() if args.old else ROOT
         old_overrides = args.overrides + ([] if args.old else ["runtime.share_gpus=false"])
+        old_overrides += args.old_overrides
         sides = {"old": (old_code, old_overrides), "new": (ROOT, args.overrides + args.new_overrides)}
         recorded = output / WALLS
         done = [json.loads(line) for line in recorded.read_text().splitlines()] if recorded.is_file() else []
