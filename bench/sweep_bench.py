@@ -39,6 +39,8 @@ from ray_zero.store import load_trials, read_provenance  # noqa: E402
 PROVENANCE = ("date", "python", "torch", "deepspeed", "ray", "driver_gpus", "cpu")
 WALLS = "walls.jsonl"
 """One line per run: its pair, side and wall time (a later call adds pairs to the same folder)."""
+GPU_LOG_QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu"
+"""--gpu-log: what nvidia-smi samples every 250 ms into OUT/gpu_log*.csv while the runs go."""
 PEAK_TOLERANCE = (0.005, 32 / 1024)
 """Peaks agree within 0.5 % or 32 MiB (GiB), whichever is larger (issue 41's rule)."""
 
@@ -96,6 +98,47 @@ def compare(runs: dict[str, list[Path]]) -> pd.DataFrame:
     return pd.DataFrame(table)
 
 
+def read_gpu_log(output: Path) -> pd.DataFrame:
+    """Every gpu_log*.csv in `output` (nvidia-smi, GPU_LOG_QUERY): time (epoch s), SM MHz, util %."""
+    frames = []
+    for path in sorted(output.glob("gpu_log*.csv")):
+        frame = pd.read_csv(path, header=None, names=GPU_LOG_QUERY.split(","), skipinitialspace=True)
+        frame = frame[frame["timestamp"].astype(str).str.match(r"\d{4}/")]
+        stamps = pd.to_datetime(frame["timestamp"], format="%Y/%m/%d %H:%M:%S.%f")  # the GPU machine's UTC
+        frames.append(
+            pd.DataFrame(
+                {
+                    "t": stamps.astype("datetime64[ns]").astype("int64") / 1e9,
+                    "sm_mhz": frame["clocks.sm"].str.split().str[0].astype(float),
+                    "util": frame["utilization.gpu"].str.split().str[0].astype(float),
+                }
+            )
+        )
+    return pd.concat(frames) if frames else pd.DataFrame(columns=["t", "sm_mhz", "util"])
+
+
+def timed_window_gpu(runs: dict[str, list[Path]], log: pd.DataFrame) -> pd.DataFrame:
+    """Per grid point and side: the lowest SM clock and the median utilization that nvidia-smi saw inside
+    the point's timed windows (a clock that had not risen, or a GPU the host could not keep busy)."""
+    seen: dict[tuple[str, str], list[pd.DataFrame]] = {}
+    for side, folders in runs.items():
+        for folder in folders:
+            for row in load_trials(folder):
+                for rank in row.get("per_rank") or []:
+                    if rank.get("measuring_until") and rank.get("timed_s"):
+                        until = rank["measuring_until"]
+                        window = log[(log["t"] >= until - rank["timed_s"]) & (log["t"] <= until)]
+                        seen.setdefault((row["trial"], side), []).append(window)
+    table: dict[str, dict] = {}
+    for (trial, side), windows in seen.items():
+        samples = pd.concat(windows)
+        if len(samples):
+            entry = table.setdefault(trial, {"trial": trial})
+            entry[f"sm_mhz_min_{side}"] = samples["sm_mhz"].min()
+            entry[f"util_pct_{side}"] = samples["util"].median()
+    return pd.DataFrame([table[t] for t in sorted(table) if not t.endswith("_calibration")])
+
+
 def summary(output: Path, command: str, old_label: str) -> str:
     """The comparison of every run recorded in `output` (walls.jsonl and the run folders)."""
     walls = [json.loads(line) for line in (output / WALLS).read_text().splitlines() if line.strip()]
@@ -110,6 +153,7 @@ def summary(output: Path, command: str, old_label: str) -> str:
             entry["ratio"] = round(entry["new_wall_s"] / entry["old_wall_s"], 3)
     walls_frame = pd.DataFrame(sorted(pairs.values(), key=lambda e: e["pair"]))
     runs = {side: sorted(output.glob(f"{side}-*/")) for side in ("old", "new")}
+    sets = {side: {o for r in walls if r["side"] == side for o in r.get("set", [])} for side in runs}
     points = compare(runs)
     provenance = next((read_provenance(f) for f in runs["new"] if read_provenance(f)), None) or {}
     # The grid's points: a calibration trial measures memory only, its rate is 2 timed steps (~0.1 s).
@@ -125,6 +169,8 @@ def summary(output: Path, command: str, old_label: str) -> str:
         "- " + ", ".join(f"{k}: {provenance[k]}" for k in PROVENANCE if k in provenance),
         f"- command: {command}",
         f"- old: {old_label}",
+        "- each side's --set, as run: "
+        + "; ".join(f"{side}: " + (" ".join(sorted(sets[side])) or "-") for side in ("old", "new")),
         "",
         markdown_table(walls_frame, list(walls_frame.columns)),
         "",
@@ -143,6 +189,15 @@ def summary(output: Path, command: str, old_label: str) -> str:
         )
         + f"; trials that measured while another measured or set up on their GPU (new runs): {overlaps}",
     ]
+    gpu = timed_window_gpu(runs, read_gpu_log(output))
+    if len(gpu):
+        lines += [
+            "",
+            "nvidia-smi inside the grid's timed windows (every 250 ms; --gpu-log): lowest SM clock (MHz), "
+            "median utilization (%)",
+            "",
+            markdown_table(gpu, list(gpu.columns)),
+        ]
     return "\n".join(lines)
 
 
@@ -185,6 +240,10 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument(
+        "--gpu-log", action="store_true",
+        help="sample the GPU's clock and utilization with nvidia-smi while the runs go (OUT/gpu_log*.csv)",
+    )
+    parser.add_argument(
         "--summarize", action="store_true", help="no runs: the comparison of those in --output"
     )
     args = parser.parse_args(argv)
@@ -202,6 +261,11 @@ def main(argv=None) -> int:
         recorded = output / WALLS
         done = [json.loads(line) for line in recorded.read_text().splitlines()] if recorded.is_file() else []
         first_pair = max((run["pair"] for run in done), default=0) + 1
+        sampler = None
+        if args.gpu_log:
+            log = open(output / f"gpu_log_pair{first_pair}.csv", "a")
+            query = ["nvidia-smi", f"--query-gpu={GPU_LOG_QUERY}", "--format=csv,noheader", "-lms", "250"]
+            sampler = subprocess.Popen(query, stdout=log, stderr=subprocess.STDOUT)
         for pair in range(first_pair, first_pair + args.pairs):  # a later call goes on numbering
             for side in ("old", "new") if pair % 2 else ("new", "old"):
                 code, overrides = sides[side]
@@ -210,6 +274,8 @@ def main(argv=None) -> int:
                     entry = {"pair": pair, "side": side, "wall_s": round(wall, 1), "set": overrides}
                     record.write(json.dumps(entry) + "\n")
                 print(f"pair {pair}: {side} {wall:.1f} s", flush=True)
+        if sampler is not None:
+            sampler.terminate()
     text = summary(output, command, old_label)
     (output / "sweep_bench.md").write_text(text + "\n")
     print(text)
