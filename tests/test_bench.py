@@ -1,6 +1,7 @@
 """bench/: a real bare-DeepSpeed run under torchrun (bench/bare_deepspeed.py, ray_zero.train.worker.train),
 its
-phases adding up to its wall time, and compare_overhead.py over an old- and a new-format bench.csv."""
+phases adding up to its wall time, compare_overhead.py over an old- and a new-format bench.csv, and
+sweep_bench.py's summary of its committed records."""
 
 from __future__ import annotations
 
@@ -88,3 +89,19 @@ def test_compare_overhead_reads_old_and_new_bench_csv(tmp_path):
     assert "old 2 from 2 runs, new 1 from 1 runs" in text and "2 workers: stage1_mb64_w2" in text
     # Only the second trials count: old 10 and 12 (median 11), new 15: new - old = +4.
     assert "new - old  +4.000  (difference of the medians)" in text
+
+
+def test_sweep_bench_judges_the_grid_and_reads_the_gpu_log_of_its_records():
+    # bench/results/sweep-h200-gpt2-serial: 2 pairs, nvidia-smi sampled through both (--gpu-log).
+    import sweep_bench
+
+    records = ROOT / "bench" / "results" / "sweep-h200-gpt2-serial"
+    runs = {side: sorted(records.glob(f"{side}-*/")) for side in ("old", "new")}
+    points = sweep_bench.compare(runs).set_index("trial")
+    # Its two one-at-a-time runs measured 56.3 and 48.3 samples/s there (per_rank.csv).
+    assert abs(points.loc["stage0_mb4_w1", "spread_old"] - 56.3 / 48.3) < 0.01
+    gpu = sweep_bench.timed_window_gpu(runs, sweep_bench.read_gpu_log(records)).set_index("trial")
+    assert len(gpu) == 9 and not any(name.endswith("_calibration") for name in gpu.index)
+    assert gpu["sm_mhz_min_old"].between(1000, 2100).all() and gpu["util_pct_new"].between(1, 100).all()
+    text = sweep_bench.summary(records, "pytest", "strictly one at a time")
+    assert "7 of 9 within 10 %" in text and "old: runtime.overlap_startup=false runtime.share_gpus=false" in text
