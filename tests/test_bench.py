@@ -104,4 +104,5 @@ def test_sweep_bench_judges_the_grid_and_reads_the_gpu_log_of_its_records():
     assert len(gpu) == 9 and not any(name.endswith("_calibration") for name in gpu.index)
     assert gpu["sm_mhz_min_old"].between(1000, 2100).all() and gpu["util_pct_new"].between(1, 100).all()
     text = sweep_bench.summary(records, "pytest", "strictly one at a time")
-    assert "7 of 9 within 10 %" in text and "old: runtime.overlap_startup=false runtime.share_gpus=false" in text
+    assert "7 of 9 within 10 %" in text
+    assert "old: runtime.overlap_startup=false runtime.share_gpus=false" in text
