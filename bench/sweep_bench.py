@@ -249,8 +249,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     output = args.output.resolve()
     output.mkdir(parents=True, exist_ok=True)
-    old_label = f"the checkout {args.old}" if args.old else "this checkout, runtime.share_gpus=false"
-    old_label += "".join(f", {o}" for o in args.old_overrides)
+    if args.old or not args.summarize:
+        old_label = f"the checkout {args.old}" if args.old else "this checkout, runtime.share_gpus=false"
+        old_label += "".join(f", {o}" for o in args.old_overrides)
+    else:  # from what the runs recorded: only this checkout's old side sets share_gpus=false
+        recorded = [json.loads(line) for line in (output / WALLS).read_text().splitlines() if line.strip()]
+        ours = any("runtime.share_gpus=false" in r.get("set", []) for r in recorded if r["side"] == "old")
+        old_label = "this checkout, one trial per GPU" if ours else "another checkout (--old)"
     command = "python bench/sweep_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if not args.summarize:
         experiment = args.experiment.resolve()
