@@ -10,10 +10,13 @@ timed from process start to exit. "old" is the checkout --old (e.g. `git worktre
 HEAD~1`: today's scheduling as it was) or, without --old, this checkout with
 `--set runtime.share_gpus=false` (one trial per GPU, +1 starting early); "new" is this checkout as it
 is. Which goes first alternates from pair to pair (the machines' speed drifts); a later call with the
-same --output adds pairs. Printed, and written to OUT/sweep_bench.md: each run's wall time, the ratios
-of the pairs, per point (calibration included) each side's status, peak allocated (GiB, median over its
-runs), their difference, samples/s (median) and their ratio, and how many measuring windows of two
-trials on one GPU overlapped in the new runs (none should: ray_zero/train/turn.py).
+same --output adds pairs. `--old-set runtime.overlap_startup=false` makes the old side strictly one at a
+time. Printed, and written to OUT/sweep_bench.md: each run's wall time, the ratios of the pairs, per
+trial each side's status, peak allocated (GiB, median over its runs), their difference, samples/s
+(median), how far apart each side's own runs lie, and the ratio (judged over the grid's points: a
+calibration trial times 2 steps); how many measuring windows of two trials on one GPU overlapped in the
+new runs (none should: ray_zero/train/turn.py); with --gpu-log, the GPU's clock and utilization inside
+each point's timed windows.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -268,6 +272,8 @@ def main(argv=None) -> int:
         first_pair = max((run["pair"] for run in done), default=0) + 1
         sampler = None
         if args.gpu_log:
+            if shutil.which("nvidia-smi") is None:
+                parser.error("--gpu-log needs nvidia-smi on PATH (a machine with an NVIDIA GPU)")
             log = open(output / f"gpu_log_pair{first_pair}.csv", "a")
             query = ["nvidia-smi", f"--query-gpu={GPU_LOG_QUERY}", "--format=csv,noheader", "-lms", "250"]
             sampler = subprocess.Popen(query, stdout=log, stderr=subprocess.STDOUT)
