@@ -42,7 +42,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ray_zero.config import ConfigError  # noqa: E402
+from ray_zero.config import ConfigError, is_calibration  # noqa: E402
 from ray_zero.experiment_file import load_experiment  # noqa: E402
 from ray_zero.report.frame import markdown_table  # noqa: E402
 from ray_zero.train.ds_config import build_ds_config  # noqa: E402
@@ -303,7 +303,7 @@ def read_sweep(folder: Path) -> tuple[float | None, str]:
     if not (folder / "results.csv").is_file():
         return None, ("timing sweep: " + (_failure(folder, run) or "no results.csv")) if run else ""
     results = pd.read_csv(folder / "results.csv")
-    results = results[~results["trial"].str.endswith("_calibration")] if "trial" in results else results
+    results = results[~results["trial"].map(is_calibration)] if "trial" in results else results
     if results.empty:  # stopped before its trial finished
         return None, "timing sweep: " + (_failure(folder, run) or "no trial finished")
     result = results.iloc[0]

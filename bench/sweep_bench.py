@@ -37,6 +37,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ray_zero.config import is_calibration  # noqa: E402
 from ray_zero.report.frame import markdown_table  # noqa: E402
 from ray_zero.store import load_trials, read_provenance  # noqa: E402
 
@@ -140,11 +141,12 @@ def timed_window_gpu(runs: dict[str, list[Path]], log: pd.DataFrame) -> pd.DataF
             entry = table.setdefault(trial, {"trial": trial})
             entry[f"sm_mhz_min_{side}"] = samples["sm_mhz"].min()
             entry[f"util_pct_{side}"] = samples["util"].median()
-    return pd.DataFrame([table[t] for t in sorted(table) if not t.endswith("_calibration")])
+    return pd.DataFrame([table[t] for t in sorted(table) if not is_calibration(t)])
 
 
-def summary(output: Path, command: str, old_label: str) -> str:
-    """The comparison of every run recorded in `output` (walls.jsonl and the run folders)."""
+def summary(output: Path, command: str, old_label: Optional[str] = None) -> str:
+    """The comparison of every run recorded in `output` (walls.jsonl and the run folders); the old side
+    named `old_label`, else from what its runs recorded (only this checkout's old side sets share_gpus)."""
     walls = [json.loads(line) for line in (output / WALLS).read_text().splitlines() if line.strip()]
     pairs: dict[int, dict] = {}
     for run in walls:
@@ -158,10 +160,13 @@ def summary(output: Path, command: str, old_label: str) -> str:
     walls_frame = pd.DataFrame(sorted(pairs.values(), key=lambda e: e["pair"]))
     runs = {side: sorted(output.glob(f"{side}-*/")) for side in ("old", "new")}
     sets = {side: {o for r in walls if r["side"] == side for o in r.get("set", [])} for side in runs}
+    if old_label is None:
+        ours = "runtime.share_gpus=false" in sets["old"]
+        old_label = "this checkout, one trial per GPU" if ours else "another checkout (--old)"
     points = compare(runs)
     provenance = next((read_provenance(f) for f in runs["new"] if read_provenance(f)), None) or {}
     # The grid's points: a calibration trial measures memory only, its rate is 2 timed steps (~0.1 s).
-    grid = points[~points["trial"].str.endswith("_calibration")] if len(points) else points
+    grid = points[~points["trial"].map(is_calibration)] if len(points) else points
     ratios = grid["samples_per_s_ratio"].dropna() if len(grid) else pd.Series(dtype=float)
     within = int(((ratios - 1).abs() <= 0.10).sum())
     agree = points["peak_agrees"].dropna() if "peak_agrees" in points else pd.Series(dtype=bool)
@@ -253,13 +258,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     output = args.output.resolve()
     output.mkdir(parents=True, exist_ok=True)
+    old_label = None  # --summarize: from what the runs recorded
     if args.old or not args.summarize:
         old_label = f"the checkout {args.old}" if args.old else "this checkout, runtime.share_gpus=false"
         old_label += "".join(f", {o}" for o in args.old_overrides)
-    else:  # from what the runs recorded: only this checkout's old side sets share_gpus=false
-        recorded = [json.loads(line) for line in (output / WALLS).read_text().splitlines() if line.strip()]
-        ours = any("runtime.share_gpus=false" in r.get("set", []) for r in recorded if r["side"] == "old")
-        old_label = "this checkout, one trial per GPU" if ours else "another checkout (--old)"
     command = "python bench/sweep_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if not args.summarize:
         experiment = args.experiment.resolve()

@@ -21,7 +21,7 @@ from ray_zero.config.points import (
     unsupported,
 )
 from ray_zero.config.sections import SECRET_QUERY_KEYS, Fault, Grid, Optimizer, Runtime, StrictModel
-from ray_zero.config.trial_spec import TrialSpec
+from ray_zero.config.trial_spec import TrialSpec, is_calibration
 
 __all__ = [
     "BACKEND_STAGES",
@@ -38,6 +38,7 @@ __all__ = [
     "Grid",
     "Offload",
     "Optimizer",
+    "is_calibration",
     "Point",
     "Runtime",
     "Stage",

@@ -36,3 +36,9 @@ class TrialSpec:
     @property
     def name(self) -> str:
         return self.point.name + (f"_{self.label}" if self.label else "")
+
+
+def is_calibration(trial: str) -> bool:
+    """Whether a row's trial name (TrialSpec.name) is a calibration trial's: it measures memory at a few
+    micro-batches in a few steps, for the activations' line, not a point of the grid."""
+    return str(trial).endswith("_calibration")

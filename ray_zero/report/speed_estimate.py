@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import pandas as pd
 
-from ray_zero.config import ConfigError
+from ray_zero.config import ConfigError, is_calibration
 from ray_zero.measure.bandwidth import Bandwidth, given, read_bandwidth
 from ray_zero.measure.speed_model import predict_speed
 from ray_zero.rows import EARLIER_DEFAULTS
@@ -46,7 +46,7 @@ def speed_table(
     the measured samples/s where the sweep has that point."""
     by_key: dict[tuple, dict[int, dict]] = {}
     for row in rows:  # the grid's points: calibration trials measure memory in a few steps
-        if row.get("status") == "ok" and not str(row.get("trial", "")).endswith("_calibration"):
+        if row.get("status") == "ok" and not is_calibration(row.get("trial", "")):
             by_key.setdefault(_key(row), {})[int(row["num_workers"])] = row
     table = []
     for key, measured in sorted(by_key.items(), key=lambda item: tuple(str(v) for v in item[0])):
@@ -100,9 +100,8 @@ def folder_speed(folder: Path, rows: list[dict], saved: dict) -> Optional[tuple[
     model, experiment = saved.get("model"), saved.get("experiment") or {}
     if not path.is_file() or not model or "trainable_param_shapes" not in model:
         return None
-    bandwidth = read_bandwidth(
-        path, BANDWIDTH_FILE
-    )  # the page names no absolute path: the same bytes anywhere
+    # Named by its file name, not its absolute path: the page is the same bytes wherever it is drawn.
+    bandwidth = read_bandwidth(path, BANDWIDTH_FILE)
     measured = {int(r["num_workers"]) for r in rows if r.get("status") == "ok"}
     frame = speed_table(
         rows,

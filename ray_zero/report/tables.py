@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from ray_zero.config import is_calibration
 from ray_zero.experiment_file import validate_experiment
 from ray_zero.measure.calibration import read_calibration, write_calibration
 from ray_zero.report.frame import NOT_OK, finish_recorded, markdown_table, memory_note, rows_frame
@@ -85,7 +86,7 @@ def rerender(output_dir: Path) -> pd.DataFrame:
 
 def _recalibrate(output_dir: Path, rows: list[dict], experiment: dict) -> dict | None:
     """calibration.json again from the calibration trials' rows, with this version's arithmetic."""
-    measured = [row for row in rows if str(row.get("trial", "")).endswith("_calibration")]
+    measured = [row for row in rows if is_calibration(row.get("trial", ""))]
     if not measured:
         return None
     for row in measured:

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import ray
 
-from ray_zero.config import Experiment, Point
+from ray_zero.config import Experiment, Point, is_calibration
 from ray_zero.console import log
 from ray_zero.measure import calibration
 from ray_zero.measure.search import FitSettings, Steps
@@ -166,14 +166,14 @@ class CalibrationWriter:
         self.use_gpu, self.precision, self.sizes = session.plan.use_gpu, session.plan.precision, sizes
 
     def __call__(self, row: dict[str, Any]) -> None:
-        if not row["trial"].endswith("_calibration"):
+        if not is_calibration(row["trial"]):
             return
         rows = load_trials(self.output_dir)
         chosen: list[dict] = []
-        for backend in dict.fromkeys(r["backend"] for r in rows if r["trial"].endswith("_calibration")):
+        for backend in dict.fromkeys(r["backend"] for r in rows if is_calibration(r["trial"])):
             by_search: dict[Point, list[dict]] = {}
             for r in rows:
-                if r["trial"].endswith("_calibration") and r["backend"] == backend:
+                if is_calibration(r["trial"]) and r["backend"] == backend:
                     by_search.setdefault(key_of_row(r), []).append(r)
             complete = [mine for mine in by_search.values() if len(mine) >= self.sizes]
             chosen += complete[0] if complete else []

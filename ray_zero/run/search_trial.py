@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 import ray
 from ray.train import TrainingFailedError
 
+from ray_zero.config import is_calibration
 from ray_zero.measure import calibration
 from ray_zero.measure.prediction import GIB
 from ray_zero.rows import aggregate_ranks, trial_row
@@ -94,7 +95,7 @@ class SearchState:
             self.search, done=self.search.done + tuple(recorded(r) for r in self.rows if is_probe(r))
         )
         if search.needs_calibration():
-            calibrating = [r for r in self.rows if r["trial"].endswith("_calibration")]
+            calibrating = [r for r in self.rows if is_calibration(r["trial"])]
             if {r["micro_batch_size"] for r in calibrating} >= {
                 s.point.micro_batch_size for s in calibration_probes(search)
             }:
@@ -108,7 +109,7 @@ class SearchState:
         was on. None: the search is done."""
         search = self.for_next_run()
         if search.needs_calibration():
-            done = {r["micro_batch_size"] for r in self.rows if r["trial"].endswith("_calibration")}
+            done = {r["micro_batch_size"] for r in self.rows if is_calibration(r["trial"])}
             return next(
                 (s.point.micro_batch_size, "calibration")
                 for s in calibration_probes(search)
