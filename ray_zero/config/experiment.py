@@ -64,6 +64,14 @@ class Experiment(StrictModel):
     warmup_steps: int = Field(default=3, ge=1)
     """First optimizer steps left out of timing (allocator warm-up, kernel selection, the first step's lazy
     allocations and counting); at least one."""
+    timing_min_s: float = Field(default=1.0, ge=0)
+    """The timed steps must last at least this many seconds in all, or the row is marked timing_unstable."""
+    timing_spread: Optional[float] = Field(default=0.1, gt=0)
+    """The timed steps' spread (interquartile range over the median step) must be at most this, or the
+    row is marked timing_unstable; null: no bound."""
+    timing_max_steps: Optional[int] = Field(default=None, gt=0)
+    """The step budget: timed steps are added past the experiment's own until timing_min_s and
+    timing_spread are met, up to this many timed steps in all; null: none added (only the mark)."""
     gradient_accumulation_steps: int = Field(default=1, gt=0)
     """Micro-batches per optimizer step."""
     optimizer: Optimizer = Optimizer()

@@ -18,16 +18,41 @@ import torch
 
 from ray_zero.measure.prediction import GIB
 
-# Dense peak TFLOP/s per GPU (no sparsity), from the vendors' data sheets, for MFU.
-PEAK_TFLOPS = {
-    "H200": {"fp16": 989.0, "bf16": 989.0, "fp32": 67.0},
-    "H100": {"fp16": 989.0, "bf16": 989.0, "fp32": 67.0},
-    "A100": {"fp16": 312.0, "bf16": 312.0, "fp32": 19.5},
+_HOPPER = {"fp16": 989.0, "bf16": 989.0, "fp32": 67.0}
+_HOPPER_NVL = {"fp16": 835.0, "bf16": 835.0, "fp32": 60.0}
+_A100 = {"fp16": 312.0, "bf16": 312.0, "fp32": 19.5}
+_V100_SXM2, _V100_PCIE = {"fp16": 125.0, "fp32": 15.7}, {"fp16": 112.0, "fp32": 14.0}
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "NVIDIA H100 80GB HBM3": _HOPPER,  # SXM5
+    "NVIDIA H100 PCIe": {"fp16": 756.0, "bf16": 756.0, "fp32": 51.0},
+    "NVIDIA H100 NVL": _HOPPER_NVL,
+    "NVIDIA H200": _HOPPER,  # SXM
+    "NVIDIA H200 NVL": _HOPPER_NVL,
+    "NVIDIA GH200 480GB": _HOPPER,
+    "NVIDIA B200": {"fp16": 2250.0, "bf16": 2250.0},
+    "NVIDIA A100-SXM4-40GB": _A100,
+    "NVIDIA A100-SXM4-80GB": _A100,
+    "NVIDIA A100-PCIE-40GB": _A100,
+    "NVIDIA A100 80GB PCIe": _A100,
+    "NVIDIA L40S": {"fp16": 362.0, "bf16": 362.0, "fp32": 91.6},
+    "NVIDIA L40": {"fp16": 181.0, "bf16": 181.0, "fp32": 90.5},
+    "NVIDIA L4": {"fp16": 121.0, "bf16": 121.0, "fp32": 30.3},
+    "NVIDIA A10": {"fp16": 125.0, "bf16": 125.0, "fp32": 31.2},
+    "Tesla V100-SXM2-16GB": _V100_SXM2,
+    "Tesla V100-SXM2-32GB": _V100_SXM2,
+    "Tesla V100-PCIE-16GB": _V100_PCIE,
+    "Tesla V100-PCIE-32GB": _V100_PCIE,
+    "Tesla T4": {"fp16": 65.0, "fp32": 8.1},
 }
+"""Dense peak TFLOP/s (tensor cores for fp16/bf16, no sparsity; fp32 without TF32, torch's default for
+matmuls) of common data-centre GPUs, from the vendors' data sheets, by the exact name CUDA and NVML
+give the device. A name not here (another GPU, a MIG slice of one) and a precision a GPU lacks get no
+MFU: the rank says why."""
 
 
 def peak_tflops(device_name: str, precision: str) -> Optional[float]:
-    return next((table.get(precision) for key, table in PEAK_TFLOPS.items() if key in device_name), None)
+    """The device's dense peak TFLOP/s at `precision`, by its exact name; None where not known."""
+    return PEAK_TFLOPS.get(device_name, {}).get(precision)
 
 
 def synchronize(device: torch.device) -> None:

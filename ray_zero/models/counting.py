@@ -8,7 +8,8 @@ on meta either). Then describe_model falls back, and its description says which 
   be counted), and the FLOPs and saved bytes come from a real forward and backward of one batch there;
 - it builds but its forward or backward does not run on meta: the parameters are the meta count, and the
   FLOPs and saved bytes come from a real instance on the CPU if its fp32 parameters take at most
-  REAL_COUNT_LIMIT_BYTES, else they are not counted (0 FLOPs; calibration then starts from 1 sample).
+  REAL_COUNT_LIMIT_BYTES, else they are not counted (0 FLOPs, read as unknown: the rank reports no
+  TFLOP/s and no MFU; calibration then starts from 1 sample).
 
 torch only: no Ray, no DeepSpeed, no Transformers or timm here.
 """
@@ -31,6 +32,8 @@ feature map is 1x1 (a ResNet on 32x32 images)."""
 REAL_COUNT_LIMIT_BYTES = 2 * 2**30
 """A model whose forward does not run on meta is built on the CPU to count its FLOPs only up to this much
 fp32 parameters (512 M): beyond it the driver would hold gigabytes to count what is not needed to train."""
+NOT_COUNTED = "FLOPs and activations not counted"
+"""What a description says where the FLOPs were not counted (flops_and_saved's 0.0 means unknown)."""
 META_WORDS = ("meta tensor", "meta kernel", "'meta' backend", "meta device", "device meta")
 
 
@@ -79,12 +82,19 @@ def flops_and_saved(
     size = sum(p.numel() for p in spec.module.parameters()) * 4
     if size > REAL_COUNT_LIMIT_BYTES:
         counted.note = (
-            f"; parameters counted on meta, FLOPs and activations not counted ({reason}; a real instance "
+            f"; parameters counted on meta, {NOT_COUNTED} ({reason}; a real instance "
             f"would take {size / 2**30:.1f} GiB)"
         )
         return 0.0, 0, ()
     counted.note = f"; FLOPs and activations counted on a real CPU instance ({reason})"
     return count_one_sample(source, real_spec(), torch.device("cpu"))
+
+
+def flops_not_counted(description: str) -> str:
+    """Why a model's FLOPs are unknown (flops_and_saved gave 0: no TFLOP/s, no MFU), from its description."""
+    if NOT_COUNTED in description:  # the note ends the description
+        return "FLOPs not counted" + description.split(NOT_COUNTED, 1)[1]
+    return "no FLOPs counted for this model"
 
 
 def _reason(error: BaseException) -> str:

@@ -52,10 +52,15 @@ RANK = Registry(
         column("samples_per_s", float, "samples/s", P, "this rank's samples per second over the timed steps"),
         column("window_samples_per_s_median", float, "samples/s", P, "the median of the timed windows' rates (runtime.live_metrics_every steps each)"),
         column("window_samples_per_s_p90", float, "samples/s", P, "the 90th percentile of the timed windows' rates"),
-        column("tflops", float, "TFLOP/s", P, "model FLOPs per second (counted once: recomputation not credited)"),
-        column("mfu", float, "", P, "tflops over the device's dense peak (GPU)"),
-        column("steps", int, "", P, "optimizer steps trained"),
+        column("tflops", float, "TFLOP/s", P, "model FLOPs per second (counted once: recomputation not credited); blank where the FLOPs could not be counted"),
+        column("mfu", float, "", P, "tflops over the device's dense peak (a GPU the peak table names)"),
+        column("mfu_blank", str, "", P, "why mfu (and, FLOPs not counted, tflops) is blank, in one line"),
+        column("steps", int, "", P, "optimizer steps trained: the experiment's, and timed steps added to settle the timing (not the counted steps)"),
         column("timed_steps", int, "", P, "steps timed (after warm-up)"),
+        column("step_median_s", float, "s", P, "the timed steps' median step, its start to the end of its optimizer step"),
+        column("step_spread", float, "", P, "the timed steps' interquartile range over their median (blank under 2 steps)"),
+        column("timing_unstable", bool, "", P, "the timed window ended short of timing_min_s or with a step_spread above timing_spread (its step budget spent)"),
+        column("counted_steps", int, "", P, "untimed steps after the timed window, collectives counted there (comm_*_bytes, exposed_comm_s)"),
         column("model_build_s", float, "s", P, "building the model on the rank's device"),
         column("data_load_s", float, "s", P, "making the rank's data"),
         column("initialize_s", float, "s", P, "setting the engine up (deepspeed.initialize, DDP, fully_shard)"),
@@ -64,12 +69,12 @@ RANK = Registry(
         column("timed_s", float, "s", P, "the timed steps"),
         column("data_source", str, "", P, "where the rank's data came from"),
         column("step_s", float, "s", P, "a timed step, from its start to the end of its optimizer step (mean)"),
-        column("forward_s", float, "s", P, "its forwards, less the collectives that held the rank up in them (mean)"),
-        column("backward_s", float, "s", P, "its backwards, less the collectives that held the rank up in them (mean)"),
-        column("optimizer_s", float, "s", P, "its optimizer step, less the collectives that held the rank up in it (mean)"),
-        column("exposed_comm_s", float, "s", P, "the time collectives held the rank up (blocking calls, waits; GPU: the stream's waits) (mean)"),
+        column("forward_s", float, "s", P, "its forwards (timed steps), less the share collectives held the rank up in them in the counted steps (mean)"),
+        column("backward_s", float, "s", P, "its backwards (timed steps), less the share collectives held the rank up in them in the counted steps (mean)"),
+        column("optimizer_s", float, "s", P, "its optimizer step (timed steps), less the share collectives held the rank up in it in the counted steps (mean)"),
+        column("exposed_comm_s", float, "s", P, "the phases' time that collectives held the rank up (blocking calls, waits; GPU: the stream's waits), by each phase's share in the counted steps (mean)"),
         *(
-            column(f"comm_{kind}_bytes", int, "bytes", P, f"{kind.replace('_', '-')} messages a timed step sent (nccl-tests' message size)")
+            column(f"comm_{kind}_bytes", int, "bytes", P, f"{kind.replace('_', '-')} messages a step sent (nccl-tests' message size), counted after the timed window")
             for kind in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
         ),
         # trials.jsonl only

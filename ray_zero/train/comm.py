@@ -1,22 +1,28 @@
 """What a rank sends: every collective an engine issues through torch.distributed's Python functions
-(DeepSpeed's comm layer, FSDP2, ZeroRedundancyOptimizer, and DDP through its Python all-reduce hook),
-counted by kind while a `CommCounter` is on, with the time the rank is held up by them.
+(DeepSpeed's comm layer, FSDP2, ZeroRedundancyOptimizer, DDP's buffer broadcast) and what DDP's C++
+reducer all-reduces, counted by kind inside `counting(counter)`, with the time the rank is held up by them.
+
+The wrappers exist only inside `counting`: untimed steps after the timed window (ray_zero/train/steps.py).
+The timed steps run torch.distributed's own functions, DDP's own reducer and no comm hook; `installed()`
+says whether any wrapper is in place. Inside `counting` the wrappers replace torch.distributed's
+functions, `Work.wait`, and the references DeepSpeed's communication backend took of them when it
+started (it keeps its all-gather and reduce-scatter functions); on exit the originals go back.
 
 A collective's bytes are its message as nccl-tests sizes it: an all-reduce's, broadcast's or reduce's
 tensor, a reduce-scatter's whole input, an all-gather's whole output. Nothing crosses ranks at world size
 1, so nothing is counted there. The rank is held up where it waits for a collective: inside a blocking
 call, or in `Work.wait()` of an asynchronous one (on a GPU, the time its stream waits, by CUDA events).
-The wrappers are put in place once per process, before any engine looks the functions up (DeepSpeed keeps
-the ones it found), and cost one check of a flag while no counter is on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,10 +66,13 @@ _ACTIVE: Optional["CommCounter"] = None
 _CALLS = threading.local()
 """`depth`: counted calls under way in this thread's call stack: torch's blocking collectives wait on
 their Work in Python, and some call another collective; only the outermost is counted and timed."""
+_MISSING = object()
+DEEPSPEED_BACKEND = "deepspeed.comm.comm"
+"""The module holding DeepSpeed's communication backend (`cdb`), looked up only if DeepSpeed is loaded."""
 
 
 class CommCounter:
-    """Collectives by kind (calls, bytes) and the time they held the rank up, while it is on."""
+    """Collectives by kind (calls, bytes) and the time they held the rank up, while it counts."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -72,18 +81,8 @@ class CommCounter:
         self.held_s = 0.0
         self._events: list[tuple[Any, Any]] = []
 
-    def __enter__(self) -> "CommCounter":
-        global _ACTIVE
-        install()
-        _ACTIVE = self
-        return self
-
-    def __exit__(self, *exc) -> None:
-        global _ACTIVE
-        _ACTIVE = None
-
-    def count(self, kind: str, nbytes: int) -> None:
-        self.calls[kind] += 1
+    def count(self, kind: str, nbytes: int, calls: int = 1) -> None:
+        self.calls[kind] += calls
         self.bytes[kind] += nbytes
 
     def held(self, run: Callable[[], Any]) -> Any:
@@ -115,7 +114,7 @@ class CommCounter:
         return float(held or 0.0)
 
     def per_step(self, steps: int) -> dict[str, int]:
-        """Bytes each kind of collective sent, per step (the counts over `steps` timed steps)."""
+        """Bytes each kind of collective sent, per step (the counts over `steps` counted steps)."""
         steps = max(steps, 1)
         return {
             f"comm_{kind}_bytes": total // steps if total % steps == 0 else total / steps
@@ -150,28 +149,70 @@ def _counting(name: str, function: Callable) -> Callable:
     return wrapper
 
 
-_installed = False
-
-
-def install() -> None:
-    """The counting wrappers in torch.distributed (once per process) and around Work.wait."""
-    global _installed
-    if _installed:
-        return
-    for name in _SIZES:
-        function = getattr(dist, name, None)
-        if function is not None and not getattr(function, "ray_zero_counting", False):
-            setattr(dist, name, _counting(name, function))
-            if hasattr(dist.distributed_c10d, name):
-                setattr(dist.distributed_c10d, name, getattr(dist, name))
-    work = dist.distributed_c10d.Work
-    wait = work.wait
-
+def _timed_wait(wait: Callable) -> Callable:
+    @functools.wraps(wait)
     def timed_wait(self, *args, **kwargs):
         counter = _ACTIVE
         if counter is None or getattr(_CALLS, "depth", 0):
             return wait(self, *args, **kwargs)
         return counter.held(lambda: wait(self, *args, **kwargs))
 
-    work.wait = timed_wait
-    _installed = True
+    timed_wait.ray_zero_counting = True
+    return timed_wait
+
+
+def installed() -> list[str]:
+    """The wrappers in place now (torch.distributed's functions, Work.wait, DeepSpeed's backend's
+    references): empty outside `counting`."""
+    found = [
+        f"{module.__name__}.{name}"
+        for module in (dist, dist.distributed_c10d)
+        for name in _SIZES
+        if getattr(getattr(module, name, None), "ray_zero_counting", False)
+    ]
+    if getattr(dist.distributed_c10d.Work.__dict__.get("wait"), "ray_zero_counting", False):
+        found.append("Work.wait")
+    backend = getattr(sys.modules.get(DEEPSPEED_BACKEND), "cdb", None)
+    found += [
+        f"deepspeed cdb.{attribute}"
+        for attribute, value in (vars(backend).items() if backend is not None else ())
+        if getattr(value, "ray_zero_counting", False)
+    ]
+    return found
+
+
+@contextlib.contextmanager
+def counting(counter: CommCounter) -> Iterator[CommCounter]:
+    """Count the collectives issued inside it into `counter` (and time their holds); torch.distributed,
+    Work.wait and DeepSpeed's backend as they were, outside it."""
+    global _ACTIVE
+    originals = {name: getattr(dist, name) for name in _SIZES if hasattr(dist, name)}
+    wrappers = {name: _counting(name, function) for name, function in originals.items()}
+    by_function = {id(function): wrappers[name] for name, function in originals.items()}
+    restore: list[tuple[Any, str, Any]] = []
+
+    def put(owner: Any, attribute: str, value: Any) -> None:
+        restore.append((owner, attribute, vars(owner).get(attribute, _MISSING)))
+        setattr(owner, attribute, value)
+
+    try:
+        for name, wrapper in wrappers.items():
+            put(dist, name, wrapper)
+            if hasattr(dist.distributed_c10d, name):
+                put(dist.distributed_c10d, name, wrapper)
+        work = dist.distributed_c10d.Work
+        put(work, "wait", _timed_wait(work.wait))
+        # DeepSpeed's backend looked its all-gather and reduce-scatter functions up when it started.
+        backend = getattr(sys.modules.get(DEEPSPEED_BACKEND), "cdb", None)
+        for attribute, value in list(vars(backend).items() if backend is not None else ()):
+            if callable(value) and id(value) in by_function:
+                put(backend, attribute, by_function[id(value)])
+        _ACTIVE = counter
+        yield counter
+    finally:
+        _ACTIVE = None
+        for owner, attribute, value in reversed(restore):
+            if value is _MISSING:
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, value)

@@ -1,5 +1,6 @@
 """Engine: one rank's training behind one small interface (forward_backward, step, model_state_bytes,
-close), EngineError, and what every engine builds the same way (the optimizer, the forward's context).
+reducer_bytes, close), EngineError, and what every engine builds the same way (the optimizer, the
+forward's context).
 
 The engines themselves: ray_zero/train/deepspeed_engine.py and ray_zero/train/torch_engines.py;
 ray_zero/train/engines.py's build_engine picks one.
@@ -83,6 +84,11 @@ class Engine:
         self._step()
         if self.clock is not None:
             self.clock.mark("optimizer")
+
+    def reducer_bytes(self) -> dict[str, int]:
+        """Bytes by kind of collective that one optimizer step sends outside torch.distributed's Python
+        functions (DDP's C++ reducer), which ray_zero/train/comm.py cannot see: none by default."""
+        return {}
 
     def close(self) -> None:
         """Let go of what the engine holds, so that a rank can train another engine after it in the same

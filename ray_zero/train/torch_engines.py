@@ -53,15 +53,13 @@ class TorchZeroEngine(_TorchEngine):
 
     def __init__(self, spec, settings, device):
         super().__init__(spec, settings, device)
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
+        # Stock DDP: its C++ reducer all-reduces the gradient buckets, no comm hook (reducer_bytes counts
+        # them).
         self.model = DistributedDataParallel(
             spec.module, device_ids=[device] if device.type == "cuda" else None
         )
-        # DDP's own all-reduce, through torch.distributed's Python function: the bytes it sends are counted
-        # where it issues them (ray_zero/train/comm.py), as DeepSpeed's and FSDP2's are.
-        self.model.register_comm_hook(None, default_hooks.allreduce_hook)
         params = [p for p in spec.module.parameters() if p.requires_grad]
         optimizer_cls, kwargs = optimizer_class(settings.optimizer.type), optimizer_kwargs(settings)
         if settings.stage == 1:
@@ -75,6 +73,16 @@ class TorchZeroEngine(_TorchEngine):
         if settings.precision == "fp16":
             self.scaler = torch.amp.GradScaler(device.type)
         self._collected = False
+
+    def reducer_bytes(self):
+        # The reducer all-reduces, at each boundary backward, its buckets: flat copies of the gradients of
+        # every parameter it reduces (those that train), in their dtype, unpadded. A comm hook would be
+        # Python that the timed steps do not run; tests/test_counting.py checks these bytes against
+        # torch's own allreduce_hook counted through torch.distributed.
+        if dist.get_world_size() == 1:
+            return {}
+        trained = (p for p in self.model.parameters() if p.requires_grad)
+        return {"all_reduce": sum(p.numel() * p.element_size() for p in trained)}
 
     def _micro_batch(self, boundary):
         # no_sync must hold through backward: that is where DDP's all-reduce runs.

@@ -22,7 +22,6 @@ from ray_zero.config import TrialSpec
 from ray_zero.measure.meter import Meter
 from ray_zero.models.describe import build_model_spec
 from ray_zero.models.spec import ModelSpec, batch_bytes
-from ray_zero.train import comm
 from ray_zero.train.data import mnist_shard, synthetic_batches
 from ray_zero.train.engine_base import Engine
 from ray_zero.train.engines import build_engine
@@ -85,7 +84,6 @@ def train(
         os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "0"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    comm.install()  # before any engine looks torch.distributed's collectives up (DeepSpeed keeps them)
     meter = Meter(device)
     run = _Run(spec, rank, world_size, device, attempt, meter, on_progress, diagnostics, model)
     run.turn, run.on_phase = turn or gpu_turn(device), on_phase
