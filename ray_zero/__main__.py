@@ -53,6 +53,10 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
 def _add_run_options(command: argparse.ArgumentParser) -> None:
     command.add_argument("experiment", nargs="?", help="experiment YAML file, e.g. experiments/quick.yaml")
     command.add_argument(
@@ -139,24 +143,17 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a key, e.g. --set model_config.hidden_size=2048 --set seq_len=512",
     )
-    estimate.add_argument(
-        "--workers", type=_int_list, default=[1, 2, 4, 8], help="comma-separated ranks, e.g. 1,2,4,8"
-    )
-    estimate.add_argument(
-        "--stages", type=_int_list, default=None, help="comma-separated ZeRO stages (default 0,1,2,3)"
-    )
-    estimate.add_argument("--backend", default="deepspeed", choices=["deepspeed", "torch_zero", "fsdp"])
-    estimate.add_argument(
-        "--precision", default="fp16", choices=["fp16", "bf16", "fp32"], help="training precision"
-    )
-    estimate.add_argument(
-        "--micro-batch-size", type=int, default=64, help="samples per rank per step (for activations)"
-    )
+    # Each narrows or overrides its key of the experiment's grid (the experiment's, or the defaults').
+    estimate.add_argument("--workers", type=_int_list, help="grid.num_workers, comma-separated: 1,2,4,8")
+    estimate.add_argument("--stages", type=_int_list, help="grid.stage, comma-separated: 0,1,2,3")
+    estimate.add_argument("--backend", type=_names, help="grid.backend: deepspeed, torch_zero, fsdp")
+    estimate.add_argument("--precision", help="precision: fp16, bf16 or fp32")
+    estimate.add_argument("--micro-batch-size", type=_int_list, help="grid.micro_batch_size: 4,8,16")
     estimate.add_argument(
         "--gpu-gib",
         type=float,
         metavar="G",
-        help="mark the rows whose predicted peak (or model states, without activations) exceeds G GiB",
+        help="mark the rows whose predicted peak exceeds G GiB (default: this machine's GPU, if any)",
     )
     estimate.add_argument(
         "--measured",

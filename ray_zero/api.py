@@ -251,11 +251,11 @@ def fit(
 def estimate(
     model: Union[str, ExperimentLike] = "large",
     *,
-    workers: Sequence[int] = (1, 2, 4, 8),
+    workers: Optional[Sequence[int]] = None,
     stages: Optional[Sequence[int]] = None,
-    backend: str = "deepspeed",
-    precision: str = "fp16",
-    micro_batch_size: int = 64,
+    backend: Optional[Union[str, Sequence[str]]] = None,
+    precision: Optional[str] = None,
+    micro_batch_size: Optional[Union[int, Sequence[int]]] = None,
     calibration: Union[str, os.PathLike, None] = None,
     gpu_gib: Optional[float] = None,
     measured: Union[str, os.PathLike, None] = None,
@@ -263,50 +263,73 @@ def estimate(
     busbw: Optional[float] = None,
     overrides: Sequence[str] = (),
 ):
-    """The memory model's table for any size, stage and worker count, without training or Ray: `model` is a
-    model source (`hf:llama`, `timm:resnet50`, `large`, `pkg.module:factory`) or an experiment. Returns an
-    Estimate: `.table` (GiB per rank) and `.head` (what it rests on); print it for the CLI's text. With
-    `measured` (a sweep's folder; its experiment when `model` is empty) and `bandwidth` (a file of
-    `bandwidth`) or `busbw` (GB/s): `.speed`, samples/s at each worker count predicted from its rows."""
+    """Every point of an experiment's grid predicted on a GPU, without training or Ray: `model` is an
+    experiment (a YAML path, a mapping or an Experiment) or a model source (`hf:llama`, `timm:resnet50`,
+    `large`, `pkg.module:factory`: the default experiment's grid for it). The keyword arguments narrow or
+    override the grid (each is the `--set` of its key: workers is grid.num_workers, stages grid.stage,
+    backend grid.backend, micro_batch_size grid.micro_batch_size, precision precision). Returns an
+    Estimate: `.table` (GiB per rank, a row per point, as a sweep's row of it predicts), `.rows` and
+    `.head`; print it for the CLI's text. `gpu_gib`: mark what would not fit (default: this machine's
+    GPU, if it has one). With `measured` (a sweep's folder; its experiment when `model` is empty) and
+    `bandwidth` (a file of `bandwidth`) or `busbw` (GB/s): `.speed`, samples/s at each worker count."""
     from ray_zero.report.estimate import estimate as estimate_table
     from ray_zero.report.speed_estimate import speed_head, speed_source, speed_table
 
     source = speed_source(measured, bandwidth, busbw)
     if not model and measured is not None:
         model = dict(read_experiment_file(Path(measured)).get("experiment") or {})
+    narrowed = [*overrides, *_grid_overrides(workers, stages, backend, precision, micro_batch_size)]
     is_source = isinstance(model, str) and not model.endswith((".yaml", ".yml"))
     experiment = (
-        validate_experiment(
-            {"steps": 2, "warmup_steps": 1}, [f"model={model}", *overrides], source="estimate"
-        )
+        validate_experiment({"steps": 2, "warmup_steps": 1}, [f"model={model}", *narrowed], source="estimate")
         if is_source
-        else experiment_of(model, overrides)
+        else experiment_of(model, narrowed)
     )
     info = describe(experiment, check_machine=False)
     result = estimate_table(
-        experiment,
-        info,
-        backend=backend,
-        stages=stages,
-        workers=workers,
-        precision=precision,
-        micro_batch_size=micro_batch_size,
-        calibration_dir=calibration,
-        gpu_gib=gpu_gib,
+        experiment, info, calibration_dir=calibration, gpu_gib=gpu_gib if gpu_gib else _gpu_gib()
     )
     if source is not None:
         from ray_zero.store import load_trials
 
+        counts = workers or experiment.grid.num_workers
         result.speed = speed_table(
             load_trials(Path(measured)),
             info,
-            workers,
+            counts,
             source,
             experiment.reduce_bucket_size,
             experiment.gradient_accumulation_steps,
         )
         result.speed_head = speed_head(source, measured)
     return result
+
+
+def _grid_overrides(workers, stages, backend, precision, micro_batch_size) -> list[str]:
+    """estimate's keyword arguments as the `--set` items of the keys they narrow."""
+    keys = {
+        "grid.num_workers": workers,
+        "grid.stage": stages,
+        "grid.backend": [backend] if isinstance(backend, str) else backend,
+        "grid.micro_batch_size": [micro_batch_size]
+        if isinstance(micro_batch_size, int)
+        else micro_batch_size,
+        "precision": precision,
+    }
+    return [
+        f"{key}={json.dumps(list(value) if isinstance(value, (list, tuple)) else value)}"
+        for key, value in keys.items()
+        if value is not None
+    ]
+
+
+def _gpu_gib() -> Optional[float]:
+    """This machine's GPU memory, GiB (None without one)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / 1024**3
 
 
 def bandwidth(

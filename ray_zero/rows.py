@@ -14,7 +14,7 @@ import math
 from typing import Any, Optional
 
 from ray_zero.measure import comm_model, partitions
-from ray_zero.measure.memory_model import HELD_COLUMNS, predict_point
+from ray_zero.measure.memory_model import HELD_COLUMNS, engine_for_row, predict_point
 from ray_zero.measure.prediction import GIB
 from ray_zero.schema import RANK, TRIAL
 
@@ -99,7 +99,15 @@ def aggregate_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def trial_row(spec) -> dict[str, Any]:
-    """What is known of a trial (a config.TrialSpec) before it runs: its grid point and settings."""
+    """What is known of a trial (a config.TrialSpec) before it runs: its grid point and settings, and the
+    memory model's prediction for it, made here once (`prediction_fields`)."""
+    row = _point_row(spec)
+    row.update(_traced(spec, row))
+    row.update(prediction_fields(row, getattr(spec, "calibration", None)))
+    return row
+
+
+def _point_row(spec) -> dict[str, Any]:
     experiment, point = spec.experiment, spec.point
     return {
         "trial": spec.name,
@@ -119,6 +127,80 @@ def trial_row(spec) -> dict[str, Any]:
         **_held(spec.model, point),
         **_comm(spec),
     }
+
+
+def _traced(spec, row: dict[str, Any]) -> dict[str, Any]:
+    """The point's traced step (spec.activations, ray_zero/train/grid_trace.py) for this engine, or why it
+    was not traced; nothing where it was not traced (CPU)."""
+    traced = getattr(spec, "activations", None)
+    if traced is None or not spec.use_gpu:
+        return {}
+    return traced_fields(row, traced, spec.experiment.gradient_accumulation_steps)
+
+
+def traced_fields(row: dict[str, Any], traced, accumulation: int = 1) -> dict[str, Any]:
+    """What one micro-batch adds to the memory of the row's rank, from its traced step (a grid_trace.Traced,
+    or why there is none): the step's peak with the gradients the engine holds by the end of backward
+    (none where it writes them into buffers allocated before the step: ZeRO-3)."""
+    if isinstance(traced, str):
+        return {"trace_note": traced}
+    engine = engine_for_row({**EARLIER_DEFAULTS, **row})
+    held = engine.gradient_bytes if engine.gradients_freed_in_step else 0.0
+    micro = row["micro_batch_size"]
+    rise = traced.rise(micro, held)
+    if accumulation > 1 and engine.gradients_freed_in_step:
+        rise = max(rise, traced.rise(micro, 0.0) + held)  # later micro-batches: the gradients exist already
+    step = traced.at(micro) or traced.steps[-1]
+    return {
+        "traced_activation_bytes": rise,
+        "trace_form": step.form + (", checkpointed" if step.checkpointing else ""),
+        "trace_attention": ", ".join(f"{kind} x{count}" for kind, count in step.attention) or "none",
+        "trace_peak_ops": ", ".join(f"{op} {size / GIB:.3g}" for op, size in step.composition[:5]),
+    }
+
+
+def prediction_fields(row: dict[str, Any], calibration: Optional[dict] = None) -> dict[str, Any]:
+    """The memory model's prediction of a row, term by term (GiB), with its basis and where its
+    activations came from (ray_zero/measure/memory_model.py); beside a traced row's, with a calibration,
+    the calibrated peak (a check)."""
+    row = {**EARLIER_DEFAULTS, **row}
+    prediction = predict_point(row, calibration)
+    peak = prediction.peak_bytes
+    fields = {
+        "predicted_model_state_gib": prediction.model_state_bytes / GIB,
+        "predicted_peak_gib": peak / GIB if peak is not None else None,
+        "prediction": prediction.basis,
+        "activation_source": _source(prediction, row),
+        **{f"predicted_{name}_gib": _gib(getattr(prediction, f"{name}_bytes")) for name in TERMS},
+    }
+    if calibration and row.get("traced_activation_bytes") is not None and row.get("memory_kind") == "cuda":
+        check = predict_point(row, calibration, traced=False)
+        fields["calibrated_activation_gib"] = _gib(check.activation_bytes)
+        fields["predicted_peak_calibrated_gib"] = _gib(check.peak_bytes)
+    return fields
+
+
+TERMS = (
+    "parameter", "gradient", "master_param", "optimizer_state", "bucket", "step_transient", "compute",
+    "activation", "workspace", "data",
+)  # fmt: skip
+"""The prediction's terms (Prediction's *_bytes fields), each stored in the row as predicted_*_gib."""
+
+
+def _gib(value: Optional[float]) -> Optional[float]:
+    return value / GIB if value is not None else None
+
+
+def _source(prediction, row: dict[str, Any]) -> str:
+    """traced, calibrated, preset shapes, or none (why)."""
+    if row.get("memory_kind") != "cuda":
+        return "none (CPU rows: model states only)"
+    if prediction.activation_bytes is None:
+        return f"none ({row.get('trace_note') or prediction.basis})"
+    for words, name in (("traced", "traced"), ("calibrated", "calibrated")):
+        if words in prediction.basis:
+            return name
+    return "preset shapes"
 
 
 def _held(model, point) -> dict[str, Any]:
@@ -195,14 +277,26 @@ EARLIER_DEFAULTS = {"backend": "deepspeed", "activation_checkpointing": False, "
 """What rows of earlier versions leave out (they ran DeepSpeed only)."""
 
 
-def finish_row(row: dict[str, Any], calibration: Optional[dict] = None) -> dict[str, Any]:
-    """Prediction and comparison columns, every column present, in table order."""
+def finish_row(row: dict[str, Any]) -> dict[str, Any]:
+    """The comparison columns, every column present, in table order. The prediction is the row's own,
+    made with it (trial_row); a row without one (a crashed driver's) gets one here."""
     for key, default in EARLIER_DEFAULTS.items():
         row.setdefault(key, default)
-    prediction = predict_point(row, calibration)
-    row["predicted_model_state_gib"] = prediction.model_state_bytes / GIB
-    row["predicted_peak_gib"] = prediction.peak_bytes / GIB if prediction.peak_bytes is not None else None
-    row["prediction"] = prediction.basis
+    if "predicted_peak_gib" not in row:
+        row.update(prediction_fields(row))
+    return _compared(row)
+
+
+def repredicted(row: dict[str, Any], calibration: Optional[dict] = None) -> dict[str, Any]:
+    """The row predicted again by this version (its traced figure as recorded, `calibration`'s
+    activations), then finished: `report --predict`, and rows of versions that stored no terms."""
+    for key, default in EARLIER_DEFAULTS.items():
+        row.setdefault(key, default)
+    row.update(prediction_fields(row, calibration))
+    return _compared(row)
+
+
+def _compared(row: dict[str, Any]) -> dict[str, Any]:
     peak, predicted = row.get("peak_allocated_gib_max"), row.get("predicted_peak_gib")
     # Only a finished trial reached its peak (an oom row holds the memory at the failure), and on CPU the
     # peak is the resident set (Python, torch and Ray included): no like-for-like ratio for those.

@@ -59,6 +59,14 @@ def append_trial(output_dir: Path, row: dict[str, Any]) -> None:
         os.fsync(record.fileno())
 
 
+def replace_trials(output_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """trials.jsonl rewritten with `rows` (each checked against the registry), atomically: `report
+    --predict` stores the prediction it made again."""
+    for row in rows:
+        trial_record(row)
+    atomic_write(output_dir / TRIALS_FILE, "".join(json.dumps(row, default=str) + "\n" for row in rows))
+
+
 def repair_trials(output_dir: Path) -> bool:
     """Cut a half-written last line off trials.jsonl (the sweep's process killed while it wrote a row), so
     that the next row starts on its own line; whether there was one. That trial has no row: a resumed

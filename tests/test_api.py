@@ -40,6 +40,6 @@ def test_experiments_come_as_files_mappings_or_objects(tmp_path):
 def test_estimate_is_a_table():
     found = ray_zero.estimate("large", workers=[1, 8], stages=[0, 3], precision="bf16", gpu_gib=16)
     table = found.table.set_index(["stage", "workers"])
-    assert table.loc[(3, 8), "states_gib"] < table.loc[(0, 8), "states_gib"] / 7
+    assert table.loc[(3, 8), "adam_gib"] < table.loc[(0, 8), "adam_gib"] / 7
     assert table.loc[(0, 1), "fits_16_gib"] == "no" and table.loc[(3, 8), "fits_16_gib"] == "yes"
     assert "805,888,010 parameters" in found.head and str(found).startswith(found.head)

@@ -139,20 +139,54 @@ def _estimate(capsys, *args: str):
     return status, capsys.readouterr().out
 
 
-def test_estimate_command_prints_the_table(capsys):
-    status, out = _estimate(capsys, "--model", "large", "--workers", "1,2,4,8")
-    assert status == 0
+def _table(out: str) -> list[dict[str, str]]:
+    """estimate's printed table, a dict per row (the heading line names the columns)."""
     lines = out.splitlines()
-    assert "805,888,010 parameters" in lines[0]
-    rows = [line.split() for line in lines[3:]]
+    at = next(i for i, line in enumerate(lines) if line.split()[:2] == ["backend", "stage"])
+    names = lines[at].split()
+    return [dict(zip(names, line.split())) for line in lines[at + 1 :] if line.strip()]
+
+
+def test_estimate_command_prints_the_table(capsys):
+    status, out = _estimate(capsys, "--model", "large", "--workers", "1,2,4,8", "--stages", "0,1,2,3")
+    assert status == 0
+    assert "805,888,010 parameters" in out.splitlines()[0]
+    rows = _table(out)
     assert len(rows) == 16  # 4 stages x 4 worker counts
-    stage1 = {int(r[1]): float(r[7]) for r in rows if r[0] == "1"}  # states_gib
+    stage1 = {int(r["workers"]): float(r["adam_gib"]) for r in rows if r["stage"] == "1"}
     assert stage1[1] > stage1[2] > stage1[4] > stage1[8]
+    assert {r["activations"] for r in rows} == {"traced"}  # the preset's step, traced on meta
 
 
 def test_estimate_takes_any_model_source_without_network(capsys):
     status, out = _estimate(capsys, "--model", "hf:gpt2", "--workers", "1,2", "--stages", "0,1")
-    assert status == 0 and "124,439,808 parameters" in out and "activations unknown" in out
+    assert status == 0 and "124,439,808 parameters" in out
+    rows = _table(out)
+    assert len(rows) == 4 and all(float(r["peak_gib"]) > float(r["activations_gib"]) > 0 for r in rows)
+
+
+def test_estimate_prints_exactly_the_experiments_grid(tmp_path, capsys):
+    # The issue's case: every axis of the experiment honoured, nothing of estimate's own defaults added.
+    experiment = tmp_path / "fsdp.yaml"
+    experiment.write_text(
+        "model: hf:gpt2\nmodel_config: {n_layer: 2}\nseq_len: 128\nsteps: 5\nprecision: bf16\n"
+        "grid: {backend: [fsdp], stage: [3], micro_batch_size: [4, 8], num_workers: [2]}\n"
+    )
+    status, out = _estimate(capsys, str(experiment))
+    assert status == 0 and "bf16" in out.splitlines()[0]
+    rows = _table(out)
+    assert [(r["backend"], r["stage"], r["workers"], r["micro_batch"]) for r in rows] == [
+        ("fsdp", "3", "2", "4"),
+        ("fsdp", "3", "2", "8"),
+    ]
+    # Flags narrow or override the experiment's own grid.
+    status, out = _estimate(
+        capsys, str(experiment), "--micro-batch-size", "8", "--set", "grid.num_workers=[4]"
+    )
+    assert [(r["workers"], r["micro_batch"]) for r in _table(out)] == [("4", "8")]
+    # The activations double with the micro-batch, as a traced step's do.
+    first, second = (float(r["activations_gib"]) for r in rows)
+    assert 1.8 < second / first < 2.1
 
 
 def test_estimate_plans_for_the_cluster_the_user_will_have(capsys):
@@ -165,20 +199,49 @@ def test_estimate_plans_for_the_cluster_the_user_will_have(capsys):
         "hf:llama",
         "--set",
         "model_config.num_hidden_layers=8",
+        "--set",
+        "seq_len=256",
         "--workers",
         "1,8",
         "--stages",
         "0,3",
+        "--micro-batch-size",
+        "1",
         "--precision",
         "bf16",
         "--gpu-gib",
         "20",
     )
     assert status == 0
-    rows = {(r[0], r[1]): r for r in (line.split() for line in out.splitlines()[3:])}
+    rows = {(r["stage"], r["workers"]): r for r in _table(out)}
     assert sorted(rows) == [("0", "1"), ("0", "8"), ("3", "1"), ("3", "8")]
-    assert rows[("0", "1")][-1] == "no" and rows[("3", "8")][-1] == "yes"  # fits_20_gib
-    assert float(rows[("3", "8")][7]) < float(rows[("0", "8")][7]) / 7  # states_gib: ZeRO-3 divides by 8
+    assert rows[("0", "1")]["fits_20_gib"] == "no" and rows[("3", "8")]["fits_20_gib"] == "yes"
+    assert float(rows[("3", "8")]["adam_gib"]) < float(rows[("0", "8")]["adam_gib"]) / 7  # ZeRO-3: /8
+
+
+def test_estimates_peak_is_the_sweep_rows_own_prediction(tmp_path):
+    # estimate and a sweep's row of the same point make one prediction, by one function (rows.trial_row).
+    import dataclasses
+
+    import ray_zero
+    from ray_zero.config import TrialSpec
+    from ray_zero.rows import trial_row
+    from ray_zero.train.grid_trace import trace_grid, trace_key
+
+    experiment = ray_zero.experiment_of(
+        {"model": "hf:gpt2", "model_config": {"n_layer": 2}, "seq_len": 128, "steps": 5, "precision": "bf16",
+         "grid": {"backend": ["deepspeed", "fsdp"], "stage": [1, 3], "micro_batch_size": [2],
+                  "num_workers": [1]}}
+    )  # fmt: skip
+    found = ray_zero.estimate(experiment)
+    info = ray_zero.api.describe(experiment, check_machine=False)
+    traces = trace_grid(experiment.model_source(), experiment.grid.points(), "bf16")
+    for row, point in zip(found.rows, experiment.grid.points()):
+        key = trace_key(point.backend, "bf16", point.activation_checkpointing)
+        spec = TrialSpec(experiment, point, "bf16", True, info, "runs/x", activations=traces[key])
+        swept = trial_row(dataclasses.replace(spec, gpu_share=0.5))
+        assert swept["predicted_peak_gib"] == row["predicted_peak_gib"] > 0
+        assert swept["activation_source"] == "traced"
 
 
 def test_what_each_engine_leaves_on_its_fullest_rank_tensor_by_tensor():

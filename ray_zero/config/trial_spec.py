@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 from ray_zero.config.experiment import Experiment
 from ray_zero.config.points import Point
@@ -32,6 +32,13 @@ class TrialSpec:
     under 1 when it starts beside other trials on one GPU (ray_zero/run/gpu_sharing.py)."""
     label: str = ""
     """A suffix that tells two trials of one point apart (`fit` times its answer again: "timed")."""
+    activations: Any = None
+    """The point's training step traced on the meta device before any run (a grid_trace.Traced, from
+    ray_zero/train/grid_trace.py), or why it could not be (a str); None: not traced (CPU sweeps, where no
+    peak is predicted)."""
+    calibration: Optional[dict] = None
+    """calibration.json, where the sweep calibrated: the activations of points that were not traced, and a
+    check beside those that were."""
 
     @property
     def name(self) -> str:

@@ -53,11 +53,23 @@ transients (tens to hundreds of MiB) bent ResNet-50's line at 3, 6 and 9 samples
 activations) on an H200."""
 
 
-def wanted(experiment: Experiment, use_gpu: bool) -> bool:
-    """Calibrate a model that is not a preset, on GPU (where the peak is predicted) unless told otherwise."""
-    if experiment.calibrate == "auto":
-        return use_gpu and not experiment.is_preset()
-    return experiment.calibrate
+def engines_to_calibrate(
+    experiment: Experiment, use_gpu: bool, untraced: set[tuple[str, bool]]
+) -> set[tuple[str, bool]]:
+    """The (engine, checkpointing) pairs of the grid to calibrate: `calibrate: true`, all of them (a
+    check beside the traced prediction); `auto`, on GPU, those whose step could not be traced (`untraced`)
+    for a model that is not a preset (the presets' activations are counted from their shapes); false,
+    none."""
+    every = {
+        (backend, checkpointing)
+        for backend in experiment.grid.backend
+        for checkpointing in experiment.grid.activation_checkpointing
+    }
+    if experiment.calibrate is True:
+        return every
+    if experiment.calibrate == "auto" and use_gpu and not experiment.is_preset():
+        return every & untraced
+    return set()
 
 
 def probe_experiment(experiment: Experiment) -> Experiment:
@@ -83,21 +95,33 @@ def calibration_sizes(model=None, precision: str = "fp16", on_gpu: bool = False)
 
 
 def calibration_points(
-    experiment: Experiment, model=None, precision: str = "fp16", on_gpu: bool = False
+    experiment: Experiment,
+    model=None,
+    precision: str = "fp16",
+    on_gpu: bool = False,
+    engines: Optional[set[tuple[str, bool]]] = None,
 ) -> list[Point]:
-    """Per engine of the grid (at its smallest stage) and per checkpointing setting: one worker at each
-    of `calibration_sizes`."""
+    """Per engine of the grid (at its smallest stage) and per checkpointing setting (those of `engines`,
+    if given): one worker at each of `calibration_sizes`."""
     sizes = calibration_sizes(model, precision, on_gpu)
     return [
         Point(backend, BACKEND_STAGES[backend][0], size, 1, checkpointing)
         for backend in dict.fromkeys(experiment.grid.backend)
         for checkpointing in sorted(set(experiment.grid.activation_checkpointing))
+        if engines is None or (backend, checkpointing) in engines
         for size in sizes
     ]
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float, float, float]:
-    """Least squares through (micro-batch, bytes): slope, intercept, largest |residual|."""
+    """Least squares through (micro-batch, bytes): slope, intercept, largest |residual|. Points of one
+    size (a search that measured it twice) are averaged first."""
+    by_size: dict[float, list[float]] = {}
+    for x, y in points:
+        by_size.setdefault(x, []).append(y)
+    points = [(x, statistics.fmean(ys)) for x, ys in sorted(by_size.items())]
+    if len(points) == 1:
+        return 0.0, points[0][1], 0.0
     if len(points) == 2:
         (x0, y0), (x1, y1) = points
         slope = (y1 - y0) / (x1 - x0)

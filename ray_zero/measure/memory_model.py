@@ -1,8 +1,11 @@
 """Predicted memory per rank for a results row: the engine's model states (ray_zero/measure/engine_memory.py)
-plus the activations of one micro-batch, the CUDA workspaces and the rank's data.
+plus what one micro-batch adds (its activations and the step's transients), the CUDA workspaces and the
+rank's data.
 
-Activations: Korthikanti et al. 2022's count for the presets' shapes; for any other model, the bytes a
-calibration trial measured per sample (ray_zero/measure/calibration.py).
+What a micro-batch adds: the point's step traced on the meta device before any run (the row's
+`traced_activation_bytes`, ray_zero/train/grid_trace.py); where it could not be traced, the presets'
+shapes (Korthikanti et al. 2022) or the bytes per sample a calibration measured
+(ray_zero/measure/calibration.py).
 """
 
 from __future__ import annotations
@@ -49,29 +52,31 @@ def held_in_row(row: dict[str, Any]) -> Optional[Held]:
 
 
 def activation_estimate(
-    model: str,
-    micro_batch_size: int,
-    precision: str,
-    checkpointing: bool,
-    calibration: Optional[dict],
-    backend: str = "deepspeed",
+    row: dict[str, Any], calibration: Optional[dict], traced: bool = True
 ) -> tuple[Optional[float], str]:
-    """Bytes one micro-batch keeps for backward, and where the figure comes from: the presets' shapes, or
-    the calibration of this engine (ray_zero/measure/calibration.py; "(doubtful: ...)" when its fit is)."""
+    """Bytes one micro-batch adds to the rank's memory, and where the figure comes from: the point's traced
+    step (`traced_activation_bytes`, ray_zero/train/grid_trace.py; unless `traced` is False), the
+    presets' shapes, or the calibration of this engine (ray_zero/measure/calibration.py; "(doubtful: ...)"
+    when its fit is)."""
+    figure = row.get("traced_activation_bytes")
+    if traced and isinstance(figure, (int, float)) and not isinstance(figure, bool):
+        return float(figure), "activations traced"
+    model, micro = row["model"], row["micro_batch_size"]
+    checkpointing = bool(row.get("activation_checkpointing"))
     if model in PRESETS:
         return preset_activation_bytes(
-            PRESETS[model], micro_batch_size, precision, checkpointing
+            PRESETS[model], micro, row["precision"], checkpointing
         ), "preset shapes"
-    per_sample, source = lookup(calibration, backend, checkpointing)
+    per_sample, source = lookup(calibration, row.get("backend", "deepspeed"), checkpointing)
     if per_sample is None:
         return None, source
-    return per_sample * micro_batch_size, source
+    return per_sample * micro, source
 
 
-def predict_point(row: dict[str, Any], calibration: Optional[dict] = None) -> Prediction:
-    """The prediction for a results row (its point, model, precision and device)."""
+def engine_for_row(row: dict[str, Any]) -> Prediction:
+    """The engine's model states, buckets and step temporaries for a results row (activations aside)."""
     on_gpu = row.get("memory_kind") == "cuda"
-    prediction = engine_prediction(
+    return engine_prediction(
         row["backend"],
         row["params"],
         row["stage"],
@@ -84,18 +89,18 @@ def predict_point(row: dict[str, Any], calibration: Optional[dict] = None) -> Pr
         largest_block_params=row.get("largest_block_params"),
         held=held_in_row(row),
     )
-    if not on_gpu:  # CPU rows: the model states are comparable with the tensors counted; the peak is not
+
+
+def predict_point(row: dict[str, Any], calibration: Optional[dict] = None, traced: bool = True) -> Prediction:
+    """The prediction for a results row (its point, model, precision and device): made once, when the row
+    is made (ray_zero/rows.py), and stored in it. `traced` False: the calibrated (or preset) activations
+    even where the row was traced, for the side-by-side check."""
+    prediction = engine_for_row(row)
+    if row.get("memory_kind") != "cuda":  # CPU rows: the model states compare with the tensors counted
         return Prediction(
             **{**prediction.__dict__, "activation_bytes": None, "basis": "model states only (CPU)"}
         )
-    activations, source = activation_estimate(
-        row["model"],
-        row["micro_batch_size"],
-        row["precision"],
-        bool(row.get("activation_checkpointing")),
-        calibration,
-        row["backend"],
-    )
+    activations, source = activation_estimate(row, calibration, traced)
     data = row.get("data_bytes_per_rank_max")
     if not isinstance(data, (int, float)):
         data = (
@@ -103,6 +108,9 @@ def predict_point(row: dict[str, Any], calibration: Optional[dict] = None) -> Pr
             if row["model"] in PRESETS and row.get("dataset") == "synthetic"
             else 0.0
         )
+    compute = prediction.compute_bytes
+    if source == "activations traced" and row["backend"] == "torch_zero":
+        compute = 0.0  # autocast's low-precision copies of the weights are in the traced step
     basis = prediction.basis if source == "preset shapes" else f"{prediction.basis}; {source}"
     if row.get("activation_checkpointing") and basis.startswith("checked"):
         basis = "unchecked (activation checkpointing)"
@@ -110,8 +118,9 @@ def predict_point(row: dict[str, Any], calibration: Optional[dict] = None) -> Pr
         **{
             **prediction.__dict__,
             "activation_bytes": activations,
+            "compute_bytes": compute,
             "workspace_bytes": CUDA_WORKSPACE_BYTES,
             "data_bytes": float(data),
-            "basis": basis if activations is not None else "no calibration",
+            "basis": basis if activations is not None else source,
         }
     )

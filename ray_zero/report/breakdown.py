@@ -8,7 +8,6 @@ from typing import Any, Optional
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from ray_zero.measure.memory_model import predict_point
 from ray_zero.measure.prediction import GIB
 from ray_zero.report.figures import Figure, Figures, legend_right
 from ray_zero.report.formatting import SETTING_KEYS, as_number, gib_text, int_text
@@ -24,6 +23,11 @@ COMPONENTS = [  # (key, label, colour) of the breakdown's stacked bars, bottom t
 ]
 """unsplit: rows that did not count the bytes saved for backward (earlier versions) show the peak less the
 model states as one part."""
+TERM_KEYS = (
+    "parameter_bytes", "gradient_bytes", "master_param_bytes", "optimizer_state_bytes", "activation_bytes",
+    "bucket_bytes", "step_transient_bytes", "compute_bytes", "workspace_bytes", "data_bytes",
+)  # fmt: skip
+"""The prediction's terms a row stores (predicted_*_gib, ray_zero/rows.py)."""
 PREDICTED_REST = [
     ("bucket_bytes", "buckets"),
     ("step_transient_bytes", "step temporaries"),
@@ -71,35 +75,28 @@ class BreakdownFigures(Figures):
         return parts, "unsplit"
 
     def _predicted_bar(self, record: dict[str, Any]) -> tuple[Optional[dict[str, float]], str]:
-        """The memory model's components for a trial, and what its 'rest' is made of (hover text)."""
+        """The prediction's terms for a trial, as its row stores them, and what its 'rest' is made of
+        (hover text)."""
         row = self.sweep.rows.get(record["trial"], record)
-        try:
-            prediction = predict_point(row, self.sweep.calibration)
-        except (KeyError, TypeError, ValueError):
+        term = {key: as_number(row.get(f"predicted_{key[: -len('_bytes')]}_gib")) for key in TERM_KEYS}
+        if any(term[key] is None for key, _, _ in COMPONENTS[:4]):
             return None, ""
-        parts = {key: float(getattr(prediction, key)) for key, _, _ in COMPONENTS[:4]}
+        term = {key: (value or 0.0) * GIB for key, value in term.items()}
+        parts = {key: term[key] for key, _, _ in COMPONENTS[:4]}
         rest = ""
-        if prediction.peak_bytes is not None:
-            activations = float(prediction.activation_bytes or 0.0)
+        peak = as_number(row.get("predicted_peak_gib"))
+        if peak is not None:
+            states = sum(parts.values())
+            activations = term["activation_bytes"]
             parts["activation_bytes"] = activations
-            parts["rest_bytes"] = max(prediction.peak_bytes - prediction.model_state_bytes - activations, 0.0)
-            terms = [
-                f"{words} {gib_text(getattr(prediction, key) / GIB, 3)}"
-                for key, words in PREDICTED_REST
-                if getattr(prediction, key)
-            ]
-            step_wins = prediction.step_transient_bytes > activations + prediction.compute_bytes
-            rest = (
-                (
-                    " ("
-                    + ", ".join(terms)
-                    + "; the step's temporaries "
-                    + ("outlast" if step_wins else "come after")
-                    + " the activations)"
+            parts["rest_bytes"] = max(peak * GIB - states - activations, 0.0)
+            terms = [f"{words} {gib_text(term[key] / GIB, 3)}" for key, words in PREDICTED_REST if term[key]]
+            step_wins = term["step_transient_bytes"] > activations + term["compute_bytes"]
+            if terms:
+                rest = (
+                    f" ({', '.join(terms)}; the step's temporaries "
+                    f"{'outlast' if step_wins else 'come after'} the activations)"
                 )
-                if terms
-                else ""
-            )
         return parts, rest
 
     def breakdown(self) -> list[Figure]:

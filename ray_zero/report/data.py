@@ -2,8 +2,8 @@
 
 It reads what the folder holds and needs neither Ray nor torch nor a network: results.csv (one row per
 trial), per_rank.csv (each rank's memory and model-state bytes; optional), experiment.yaml (the question
-and the provenance), trials.jsonl (every field of every row: the memory model's prediction is recomputed
-from it, component by component) and fit.csv (only a `fit` run has it). Rows of older versions lack
+and the provenance), trials.jsonl (every field of every row, the memory model's prediction term by term
+among them) and fit.csv (only a `fit` run has it). Rows of older versions lack
 columns: what is missing is left blank, never guessed.
 """
 
@@ -69,11 +69,8 @@ def read_sweep(output_dir: Path) -> Sweep:
     experiment, provenance = saved.get("experiment") or {}, saved.get("provenance") or {}
     calibration = read_calibration(output_dir)
     rows: dict[str, dict[str, Any]] = {}
-    for row in load_trials(output_dir):  # as report.rerender does: this version's derived columns
-        try:
-            rows[str(row["trial"])] = finish_recorded(row, experiment, calibration)
-        except (KeyError, TypeError, ValueError):
-            rows[str(row.get("trial"))] = row  # a row too old to predict: shown as recorded
+    for row in load_trials(output_dir):  # as report.rerender does: each row with its own prediction
+        rows[str(row.get("trial"))] = finish_recorded(row, experiment, calibration)
     if (output_dir / "results.csv").is_file():
         frame = pd.read_csv(output_dir / "results.csv")
     elif rows:

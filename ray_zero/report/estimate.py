@@ -1,36 +1,54 @@
-"""`estimate`: the memory model's table for a model, without training or Ray.
+"""`estimate`: the prediction of every point of an experiment's grid, without training or Ray.
 
 It plans for the cluster the user will have, not this machine: any size, stage and worker count is
 given (`gpu_gib` marks what would not fit a device of that size); only `sweep` and `fit` check what they
-are about to run against the machine they run on.
+are about to run against the machine they run on. Each row is what a sweep's row of that point predicts
+(ray_zero/rows.py's trial_row, on a GPU): the model states, what one micro-batch's traced step adds, the
+transients and workspaces, term by term.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import pandas as pd
 
-from ray_zero.config import BACKEND_STAGES, ConfigError, Experiment
+from ray_zero.config import ConfigError, Experiment, TrialSpec
 from ray_zero.measure.calibration import read_calibration
-from ray_zero.measure.engine_memory import engine_prediction, paper
-from ray_zero.measure.memory_model import CUDA_WORKSPACE_BYTES, activation_estimate
-from ray_zero.measure.partitions import held
+from ray_zero.measure.engine_memory import paper
 from ray_zero.measure.prediction import GIB
+from ray_zero.rows import trial_row
+from ray_zero.train.grid_trace import Traced, trace_grid, trace_key
+
+TERMS = (  # (column, the row's predicted_*_gib terms it adds up)
+    ("params_gib", ("parameter",)),
+    ("grads_gib", ("gradient",)),
+    ("master_gib", ("master_param",)),
+    ("adam_gib", ("optimizer_state",)),
+    ("buckets_gib", ("bucket",)),
+    ("activations_gib", ("activation",)),
+    ("gathered_gib", ("compute",)),
+    ("step_temp_gib", ("step_transient",)),
+    ("other_gib", ("workspace", "data")),
+)
+VARYING = ("activation_checkpointing", "offload_optimizer")
+"""Point fields shown only where the grid varies them."""
 
 
 @dataclass
 class Estimate:
-    """The table (GiB per rank, a row per stage and worker count) and the line that says what it rests on."""
+    """The table (GiB per rank, a row per grid point) and the lines that say what it rests on."""
 
     head: str
     table: pd.DataFrame
     speed_head: str = ""
     speed: Optional[pd.DataFrame] = None
     """With a measured sweep and a bandwidth: samples/s per worker count (report/speed_estimate.py)."""
+    rows: Optional[list] = None
+    """Each point's row, as a sweep's row of it would hold its prediction (rows.trial_row)."""
 
     def __str__(self) -> str:
         text = self.table.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-")
@@ -44,18 +62,11 @@ def estimate(
     experiment: Experiment,
     model,
     *,
-    backend: str = "deepspeed",
-    stages: Optional[Sequence[int]] = None,
-    workers: Sequence[int] = (1, 2, 4, 8),
-    precision: str = "fp16",
-    micro_batch_size: int = 64,
     calibration_dir: Optional[Path] = None,
     gpu_gib: Optional[float] = None,
 ) -> Estimate:
-    """Per stage and worker count: the paper's model states and the engine's components (GiB per rank),
-    and the peak where activations are known (a preset's shapes, or `calibration_dir`'s calibration.json)."""
-    if backend not in BACKEND_STAGES:
-        raise ConfigError(f"backend must be one of {', '.join(BACKEND_STAGES)}, not {backend!r}")
+    """Every point of `experiment`'s grid that an engine can run, predicted on a GPU: its step traced on
+    the meta device (or `calibration_dir`'s calibration.json where it cannot be)."""
     calibration = None
     if calibration_dir is not None:
         calibration = read_calibration(Path(calibration_dir))
@@ -63,64 +74,76 @@ def estimate(
             raise ConfigError(
                 f"--calibration {calibration_dir}: no calibration.json there (give a sweep's folder)"
             )
-    if not workers or min(workers) < 1:
-        raise ConfigError(f"--workers: give worker counts of at least 1, not {list(workers)}")
-    if micro_batch_size < 1:
-        raise ConfigError(f"--micro-batch-size: give at least 1, not {micro_batch_size}")
-    stages = list(stages or BACKEND_STAGES[backend])
-    bad = [s for s in stages if s not in BACKEND_STAGES[backend]]
-    if bad:
-        raise ConfigError(f"--stages: {backend} has stages {BACKEND_STAGES[backend]}, not {bad[0]}")
-    activations, source = activation_estimate(
-        experiment.model, micro_batch_size, precision, False, calibration, backend
-    )
-    fits = f"fits_{gpu_gib:g}_gib" if gpu_gib is not None else None
+    points = experiment.grid.points()
+    if not points:
+        raise ConfigError("the grid has no point an engine can run (see its backend and stage)")
+    precision = experiment.resolved_precision(use_gpu=True)
+    started = time.time()
+    traces = trace_grid(experiment.model_source(), points, precision)
+    traced_s = time.time() - started
     rows = []
-    for stage in stages:
-        for n in workers:
-            # What the fullest rank holds, from the parameters' shapes (partitions.py), as a sweep's rows do.
-            shares = held(model.trainable_param_shapes, model.frozen_param_shapes, backend, stage, n)
-            real = engine_prediction(
-                backend,
-                model.params,
-                stage,
-                n,
-                precision,
-                reduce_bucket_size=experiment.reduce_bucket_size,
-                largest_block_params=model.largest_block_params,
-                held=shares,
-            )
-            peak = dataclasses.replace(
-                real, activation_bytes=activations, workspace_bytes=CUDA_WORKSPACE_BYTES
-            ).peak_bytes
-            row = {
-                "stage": stage,
-                "workers": n,
-                "paper_states_gib": paper(model.params, stage, n, precision).model_state_bytes / GIB,
-                "params_gib": real.parameter_bytes / GIB,
-                "grads_gib": real.gradient_bytes / GIB,
-                "master_gib": real.master_param_bytes / GIB,
-                "adam_gib": real.optimizer_state_bytes / GIB,
-                "states_gib": real.model_state_bytes / GIB,
-                "peak_gib": peak / GIB if peak is not None else float("nan"),
-            }
-            if fits:
-                needed = peak if peak is not None else real.model_state_bytes + real.bucket_bytes
-                row[fits] = "yes" if needed <= gpu_gib * GIB else "no"
-            rows.append(row)
-    activation_text = (
-        f"activations {activations / GIB:.3f} GiB ({source})"
-        if activations is not None
-        else "activations unknown (give --calibration DIR of a sweep of this model)"
-    )
-    head = (
-        f"{model.description}; {backend}, {precision}, micro-batch {micro_batch_size}, {activation_text}.\n"
-        f"paper = the ZeRO paper's model states; the other columns: what {backend} allocates per rank "
-        "(ray_zero.measure.memory_model), GPU peak with 64 MiB of CUDA workspaces"
-    )
-    if fits:
-        head += (
-            f"; {fits}: the peak (model states and buckets where activations are unknown) within "
-            f"{gpu_gib:g} GiB per GPU"
+    for point in points:
+        spec = TrialSpec(
+            experiment,
+            point,
+            precision,
+            True,
+            model,
+            "",
+            activations=traces[trace_key(point.backend, precision, point.activation_checkpointing)],
+            calibration=calibration,
         )
-    return Estimate(head, pd.DataFrame(rows))
+        rows.append(trial_row(spec))
+    table = pd.DataFrame([_line(row, gpu_gib) for row in rows])
+    for field in VARYING:
+        if field in table and table[field].nunique() <= 1:
+            table = table.drop(columns=field)
+    return Estimate(_head(experiment, model, precision, traces, traced_s, gpu_gib), table, rows=rows)
+
+
+def _line(row: dict, gpu_gib: Optional[float]) -> dict:
+    line = {
+        "backend": row["backend"],
+        "stage": row["stage"],
+        "workers": row["num_workers"],
+        "micro_batch": row["micro_batch_size"],
+        "activation_checkpointing": row["activation_checkpointing"],
+        "offload_optimizer": row["offload_optimizer"],
+        "paper_states_gib": paper(
+            row["params"], row["stage"], row["num_workers"], row["precision"]
+        ).model_state_bytes
+        / GIB,
+    }
+    for column, terms in TERMS:
+        values = [row.get(f"predicted_{term}_gib") for term in terms]
+        line[column] = sum(v for v in values if v is not None) if any(v is not None for v in values) else None
+    peak = row.get("predicted_peak_gib")
+    line["peak_gib"] = peak if peak is not None else float("nan")
+    if gpu_gib is not None:
+        needed = peak if peak is not None else row["predicted_model_state_gib"] + (line["buckets_gib"] or 0)
+        line[f"fits_{gpu_gib:g}_gib"] = "yes" if needed <= gpu_gib else "no"
+    line["activations"] = row.get("activation_source", "")
+    return line
+
+
+def _head(experiment: Experiment, model, precision: str, traces: dict, traced_s: float, gpu_gib) -> str:
+    traced = [
+        f"{form.name}{' checkpointed' if ck else ''}"
+        for (form, ck), t in traces.items()
+        if isinstance(t, Traced)
+    ]
+    untraced = [t for t in traces.values() if not isinstance(t, Traced)]
+    text = (
+        f"{model.description}; {precision}, accumulation {experiment.gradient_accumulation_steps}. "
+        f"Activations: one training step traced on the meta device as a GPU runs it "
+        f"({', '.join(traced) or 'none'}; {traced_s:.1f} s)"
+    )
+    if untraced:
+        text += f"; not traced: {untraced[0]} (give --calibration DIR of a sweep of this model)"
+    text += (
+        ".\npaper = the ZeRO paper's model states; the other columns: what each engine allocates per rank "
+        "(ray_zero.measure.memory_model), GPU peak with 64 MiB of cuBLAS workspaces"
+    )
+    if gpu_gib is not None:
+        text += f"; fits_{gpu_gib:g}_gib: the peak (model states and buckets where it is unknown) within it"
+    return text

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Optional
 import pandas as pd
 
 from ray_zero.config import DEFAULT_BUCKET_ELEMENTS
-from ray_zero.rows import SORT_KEYS, aggregate_ranks, finish_row, results_columns
+from ray_zero.rows import SORT_KEYS, aggregate_ranks, finish_row, repredicted, results_columns
 from ray_zero.schema import TRIAL
 
 NOT_OK = ("oom", "failed", "timeout", "skipped")  # the statuses of a row without a measurement
@@ -67,12 +67,22 @@ def memory_note(frame: pd.DataFrame) -> str:
     return "Memory columns: peak CUDA allocated on GPU rows, peak resident set on CPU rows."
 
 
+PREDICTED_WITH = "activation_source"
+"""A row that holds this field was predicted, term by term, when it was made: its prediction is read,
+never made again unless asked (`report --predict`)."""
+PREDICTION_NEEDS = ("model", "params", "stage", "num_workers", "precision", "micro_batch_size")
+
+
 def finish_recorded(
-    row: dict[str, Any], experiment: dict[str, Any], calibration: dict | None
+    row: dict[str, Any], experiment: dict[str, Any], calibration: dict | None, predict: bool = False
 ) -> dict[str, Any]:
-    """A row as trials.jsonl recorded it, its derived columns (aggregates over ranks, prediction, ratios)
-    recomputed with this version of ray_zero."""
+    """A row as trials.jsonl recorded it, its aggregates over ranks and ratios made with this version of
+    ray_zero. Its prediction is the one it was made with; a row of a version that stored no terms is
+    predicted as its sweep did (with its calibration.json), and `predict` predicts every row again."""
     if row.get("per_rank"):
         row.update(aggregate_ranks(row["per_rank"]))
     row.setdefault("reduce_bucket_size", experiment.get("reduce_bucket_size", DEFAULT_BUCKET_ELEMENTS))
-    return finish_row(row, calibration)
+    stored = PREDICTED_WITH in row
+    if (predict or not stored) and all(row.get(key) is not None for key in PREDICTION_NEEDS):
+        return repredicted(row, calibration)
+    return finish_row(row)

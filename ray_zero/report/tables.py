@@ -17,7 +17,7 @@ from ray_zero.report.page import write_html_report
 from ray_zero.report.plots import write_plots
 from ray_zero.rows import aggregate_ranks, per_rank_columns
 from ray_zero.schema import TRIAL
-from ray_zero.store import atomic_write, load_trials, read_experiment_file
+from ray_zero.store import atomic_write, load_trials, read_experiment_file, replace_trials
 
 
 def prediction_notes(frame: pd.DataFrame) -> list[str]:
@@ -67,18 +67,25 @@ def write_results(
     return frame
 
 
-def rerender(output_dir: Path) -> pd.DataFrame:
+def rerender(output_dir: Path, predict: bool = False) -> pd.DataFrame:
     """`python -m ray_zero report DIR`: the tables, plots and report page again, without Ray.
 
-    From trials.jsonl (the measurements as recorded), recomputing the derived columns (aggregates,
-    prediction, ratios) with this version of ray_zero."""
+    From trials.jsonl (the measurements and each row's prediction as recorded), the aggregates and ratios
+    made with this version of ray_zero. `predict` (`report DIR --predict`): every row predicted again by
+    this version, its step traced again on the meta device, and trials.jsonl rewritten with it."""
     rows = load_trials(output_dir)
     if not rows:
         raise FileNotFoundError(f"{output_dir}: no trials.jsonl here (give the --output folder of a sweep)")
     saved = read_experiment_file(output_dir)
     experiment = saved.get("experiment") or {}
     calibration = _recalibrate(output_dir, rows, experiment) or read_calibration(output_dir)
-    rows = [finish_recorded(row, experiment, calibration) for row in rows]
+    if predict:
+        from ray_zero.report.retrace import retraced
+
+        rows = retraced(rows, experiment, str(output_dir))
+    rows = [finish_recorded(row, experiment, calibration, predict) for row in rows]
+    if predict:
+        replace_trials(output_dir, rows)
     frame = write_results(output_dir, rows, saved.get("provenance"))
     write_pages(output_dir, frame)
     return frame

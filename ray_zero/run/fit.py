@@ -45,18 +45,15 @@ def _searches(session: Session, budget: float, steps: Steps, rows: list[dict]) -
     probe = session.experiment.probe(probe_steps)
     # The probes' own rates serve when the experiment is no longer than a probe; else each answer is timed.
     timed = session.experiment if (session.experiment.steps or 10**9) > probe_steps else None
-    calibrate = calibration.wanted(session.experiment, session.plan.use_gpu)
     searches = []
     for key in keys_of(session):
-        state = SearchState(
-            SearchSpec(
-                session.spec(key.replace(micro_batch_size=steps.smallest), probe),
-                budget,
-                steps,
-                timed,
-                calibrate,
-            )
+        spec = session.spec(key.replace(micro_batch_size=steps.smallest), probe)
+        traced = spec.activations is not None and not isinstance(spec.activations, str)
+        untraced = set() if traced else {(key.backend, key.activation_checkpointing)}
+        calibrate = bool(
+            calibration.engines_to_calibrate(session.experiment, session.plan.use_gpu, untraced)
         )
+        state = SearchState(SearchSpec(spec, budget, steps, timed, calibrate))
         for row in rows:
             if key_of_row(row) == key:
                 state.add(row)

@@ -11,7 +11,6 @@ from typing import Any, Optional
 from ray import tune
 
 from ray_zero.console import log
-from ray_zero.measure.calibration import read_calibration
 from ray_zero.report.tables import write_pages, write_results
 from ray_zero.rows import finish_row, trial_row
 from ray_zero.store import append_trial, atomic_write, load_trials, publish, read_provenance
@@ -75,7 +74,7 @@ class Recorder:
         self.started = time.time()
 
     def record(self, row: dict[str, Any], running: int) -> None:
-        row = finish_row(row, read_calibration(self.output_dir))
+        row = finish_row(row)
         if row.get("stacks"):  # a timed-out trial's ranks' stacks: files beside the tables, named in the row
             row["stacks"] = write_stacks(self.output_dir, row["trial"], row["stacks"])
         row["recorded_at"] = time.time()  # when the sweep had it: what each trial adds to a sweep (bench/)

@@ -13,6 +13,7 @@ import platform
 import shlex
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -156,6 +157,8 @@ class Session:
                     "resume_command": self.command,
                 }
             self.provenance = prov
+            self.calibration = read_calibration(self.output_dir)
+            self.traces = self._trace() if self.plan.use_gpu else {}
             self._write_experiment()
             storage = self.experiment.runtime.storage_path or str(self.output_dir)
             self.storage = storage if "://" in storage else str(Path(storage).resolve())
@@ -167,6 +170,16 @@ class Session:
             self.__exit__()
             raise
         return self
+
+    def _trace(self) -> dict:
+        """Each (engine form, checkpointing) of the grid's step traced on the meta device, before any
+        trial: what one micro-batch adds to a rank's memory (ray_zero/train/grid_trace.py)."""
+        from ray_zero.train.grid_trace import describe_outcomes, trace_grid
+
+        started = time.time()
+        traces = trace_grid(self.experiment.model_source(), self.plan.runnable, self.plan.precision)
+        log.info(describe_outcomes(traces, started))
+        return traces
 
     def _write_experiment(self) -> None:
         atomic_write(
@@ -191,6 +204,9 @@ class Session:
             ray.shutdown()
 
     def spec(self, point: Point, experiment: Optional[Experiment] = None) -> TrialSpec:
+        from ray_zero.train.grid_trace import trace_key
+
+        key = trace_key(point.backend, self.plan.precision, point.activation_checkpointing)
         return TrialSpec(
             experiment or self.experiment,
             point,
@@ -200,6 +216,8 @@ class Session:
             self.storage,
             self.diagnostics,
             private_ray=not self.joined,
+            activations=self.traces.get(key),
+            calibration=self.calibration,
         )
 
     def record_skipped(self) -> None:
@@ -257,13 +275,11 @@ class Session:
         )
 
     def finish(self, pages: bool = True):
-        """The tables (and pages) once more, each row predicted with the calibration as it is now (a row
-        that finished before the calibration did has it here), copied to the storage path; the table (a
-        DataFrame)."""
+        """The tables (and pages) once more, each row as recorded with its prediction, copied to the
+        storage path; the table (a DataFrame)."""
         from ray_zero.report.tables import write_pages, write_results
 
-        found = read_calibration(self.output_dir)
-        rows = [finish_row(row, found) for row in load_trials(self.output_dir)]
+        rows = [finish_row(row) for row in load_trials(self.output_dir)]
         frame = write_results(self.output_dir, rows, self.provenance)
         if pages:
             write_pages(self.output_dir, frame)

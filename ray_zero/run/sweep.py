@@ -60,13 +60,34 @@ class CalibrationRecorder:
 
 def calibration_specs(session: Session) -> list[TrialSpec]:
     """Short trials that measure the model's activations per sample, per engine of the grid, at three
-    sizes (ray_zero/measure/calibration.py): they run first, in the grid's own Tuner, and share GPUs
-    like any other trial; calibration.json then predicts every row."""
+    sizes (ray_zero/measure/calibration.py), for the engines `calibrate` asks for: with `auto`, those
+    whose step could not be traced. They run first and share GPUs like any other trial."""
+    untraced = {
+        (p.backend, p.activation_checkpointing)
+        for p in session.plan.runnable
+        if not _traced(session.spec(p).activations)
+    }
+    engines = calibration.engines_to_calibrate(session.experiment, session.plan.use_gpu, untraced)
+    if not engines:
+        return []
     points = calibration.calibration_points(
-        session.experiment, session.model, session.plan.precision, session.plan.use_gpu
+        session.experiment, session.model, session.plan.precision, session.plan.use_gpu, engines
     )
     probe = calibration.probe_experiment(session.experiment)
     return [dataclasses.replace(session.spec(p, probe), label="calibration") for p in points]
+
+
+def _traced(activations) -> bool:
+    return activations is not None and not isinstance(activations, str)
+
+
+def _scheduling(session: Session, sharing: Optional[Sharing]) -> str:
+    """The console's and provenance's words for how trials share the devices."""
+    plan = session.plan
+    if sharing is not None:
+        return sharing.describe(session.cluster.gpus)
+    early = f" (+{plan.started_early} starting early)" if plan.started_early else ""
+    return f"up to {plan.max_concurrent_trials} at once{early} on {'GPU' if plan.use_gpu else 'CPU'}"
 
 
 def shared(session: Session, specs: list[TrialSpec]) -> tuple[list[TrialSpec], Optional[Sharing]]:
@@ -75,7 +96,7 @@ def shared(session: Session, specs: list[TrialSpec]) -> tuple[list[TrialSpec], O
     plan, runtime, gpu_gib = session.plan, session.experiment.runtime, session.cluster.gpu_memory_gib
     if not (plan.use_gpu and runtime.share_gpus and gpu_gib):
         return specs, None
-    found = read_calibration(session.output_dir)
+    found = session.calibration
     saved = session.model.saved_bytes_per_sample
     sharing = gpu_shares(
         {s.name: memory_need(trial_row(s), found, saved) for s in specs},
@@ -117,37 +138,43 @@ def run_sweep(
         # without a row in trials.jsonl, in a Tuner of its own: the record of what finished is trials.jsonl,
         # not Tune's state (which a SIGKILL can leave behind it, or ahead of it).
         recorded = {row["trial"] for row in load_trials(session.output_dir)}
-        wanted = calibration.wanted(session.experiment, plan.use_gpu)
-        calibrating = calibration_specs(session) if wanted else []
-        every = calibrating + [session.spec(p) for p in plan.runnable]
-        specs, sharing = shared(session, [s for s in every if s.name not in recorded])
-        if sharing is not None:
-            at_once = sharing.describe(session.cluster.gpus)
-        else:
-            early = f" (+{plan.started_early} starting early)" if plan.started_early else ""
-            device = "GPU" if plan.use_gpu else "CPU"
-            at_once = f"up to {plan.max_concurrent_trials} at once{early} on {device}"
-        if not resume:
-            session.record_scheduling(at_once)
-        pending = [s.name for s in calibrating if s.name not in recorded]
-        log.info(
-            f"{len(plan.runnable)} trials ({len(plan.skipped)} skipped"
-            f"{f', {len(pending)} calibrating activations first' if pending else ''})"
-            f"{f', {len(specs)} to run' if resume else ''}, {at_once}, {plan.precision}; "
-            f"results in {session.output_dir}"
-        )
+        calibrating = calibration_specs(session)
+        grid = [session.spec(p) for p in plan.runnable]
+        every = calibrating + grid
+        to_run = [s for s in every if s.name not in recorded]
+        pending = [s for s in calibrating if s.name not in recorded]
+        # Calibration trials run first, in a Tuner of their own: every row of the grid is then predicted
+        # once, when it is made, with the calibration it needs.
+        phases = [pending, [s for s in grid if s.name not in recorded]] if pending else [to_run]
+        sharing_text = None
         total = len(every) + len(plan.skipped)
-        drivers = None
-        if sharing is not None:  # one driver more than can hold GPUs: the next is ready when one ends
-            drivers = min(sharing.at_once + 1, session.experiment.runtime.max_concurrent_trials or 10**6)
-        if specs:
-            session.tuner(
-                {"trial": tune.grid_search([trial_config(spec) for spec in specs])},
-                total,
-                max_concurrent=drivers,
-                on_row=CalibrationRecorder(session, {s.name for s in calibrating}),
-                tune_name=f"tune-resumed-{int(time.time())}" if resume else "tune",
-            ).fit()
+        for number, phase in enumerate(phases):
+            if number:  # the grid, after its calibration: its specs carry calibration.json
+                session.calibration = read_calibration(session.output_dir)
+                phase = [session.spec(s.point) for s in phase]
+            specs, sharing = shared(session, phase)
+            if sharing_text is None:
+                sharing_text = _scheduling(session, sharing)
+                if not resume:
+                    session.record_scheduling(sharing_text)
+                log.info(
+                    f"{len(plan.runnable)} trials ({len(plan.skipped)} skipped"
+                    f"{f', {len(pending)} calibrating activations first' if pending else ''})"
+                    f"{f', {len(to_run)} to run' if resume else ''}, {sharing_text}, {plan.precision}; "
+                    f"results in {session.output_dir}"
+                )
+            drivers = None
+            if sharing is not None:  # one driver more than can hold GPUs: the next is ready when one ends
+                drivers = min(sharing.at_once + 1, session.experiment.runtime.max_concurrent_trials or 10**6)
+            if specs:
+                name = "tune-calibration" if number == 0 and pending else "tune"
+                session.tuner(
+                    {"trial": tune.grid_search([trial_config(spec) for spec in specs])},
+                    total,
+                    max_concurrent=drivers,
+                    on_row=CalibrationRecorder(session, {s.name for s in calibrating}),
+                    tune_name=f"{name}-resumed-{int(time.time())}" if resume else name,
+                ).fit()
         # The tables and the page are drawn while the session's exit shuts Ray down (which mostly waits
         # for Ray's processes to end): they need no Ray.
         pool = ThreadPoolExecutor(1, thread_name_prefix="ray_zero finish")

@@ -1,0 +1,178 @@
+"""On the meta device, the kernels a CUDA device would run where the choice changes what a step keeps.
+
+A traced step (ray_zero/train/step_trace.py) runs on meta tensors. Some of torch's composite operators
+choose their kernel by the tensors' device, and on meta they take paths a GPU does not, keeping other
+tensors; `autocast("cuda")` turns itself off without a GPU. `cuda_kernels(autocast)` puts back, for
+memory, what a CUDA device (sm80 or newer) does:
+
+- `scaled_dot_product_attention`: the fused kernel CUDA picks (`attention_kernel`: flash for fp16/bf16
+  without a mask and a head of at most 256 elements, else memory-efficient where the head is aligned,
+  else the math path). A fused kernel keeps the output and a log-sum-exp per row, not the attention
+  matrix that the math path keeps;
+- autocast (`autocast=dtype`): CUDA autocast's rules, applied by the mode: matmuls and convolutions in
+  the low dtype (a leaf parameter's cast made once per forward and kept, as autocast's cache keeps it),
+  normalisations, softmax, losses and the pointwise functions CUDA runs in fp32 in fp32.
+
+Dropout's mask (1 byte an element from CUDA's fused kernel, the input's dtype on meta) is counted by the
+tracker itself, which sees every operator. On a CUDA device nothing is changed. torch only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+LOW = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD = 256
+_SDPA = F.scaled_dot_product_attention
+
+
+def attention_kernel(query, key, value, attn_mask, enable_gqa: bool = False) -> str:
+    """"flash", "efficient" or "math": what CUDA's scaled_dot_product_attention runs for these inputs
+    (torch's sdp_utils.cpp; the checks that decide what is kept)."""
+    low = query.dtype in LOW
+    heads = query.shape[-1], key.shape[-1], value.shape[-1]
+    if low and attn_mask is None and len(set(heads)) == 1 and heads[0] <= FLASH_MAX_HEAD:
+        return "flash"
+    alignment = 8 if low else 4
+    grouped = enable_gqa and query.shape[-3] != key.shape[-3]
+    if not grouped and heads[0] == heads[1] and heads[0] % alignment == 0 and heads[2] % alignment == 0:
+        return "efficient"
+    return "math"
+
+
+def cuda_attention(
+    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    """scaled_dot_product_attention through the kernel CUDA would pick (on meta tensors; elsewhere the
+    function itself)."""
+    if query.device.type != "meta":
+        return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    kind = attention_kernel(query, key, value, attn_mask, enable_gqa)
+    _CHOICES[kind] = _CHOICES.get(kind, 0) + 1
+    if kind == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale
+        )[0]
+    if kind == "efficient":
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device="meta").masked_fill(
+                    ~attn_mask, float("-inf")
+                )
+            attn_mask = attn_mask.expand(*query.shape[:-1], key.shape[-2])
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
+        )[0]
+    return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+_CHOICES: dict[str, int] = {}
+
+_T = torch.Tensor
+
+
+def _present(*functions) -> frozenset:
+    return frozenset(f for f in functions if f is not None)
+
+
+LOWER = _present(
+    F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d,
+    F.conv_transpose3d, F.prelu, torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm,
+    torch.bmm, _T.bmm, torch.baddbmm, _T.baddbmm, torch.addmm, _T.addmm, torch.addbmm, torch.addmv,
+    torch.addr, torch.mv, _T.mv, torch.einsum, torch.chain_matmul, torch.linalg.multi_dot,
+    torch.linalg.vecdot, torch.conv1d, torch.conv2d, torch.conv3d, getattr(torch, "_grouped_mm", None),
+    _SDPA,
+)  # fmt: skip
+"""CUDA autocast's lower-precision operators, by the Python functions that reach them."""
+FP32 = _present(
+    F.layer_norm, F.group_norm, F.softmax, F.log_softmax, F.cross_entropy, F.nll_loss, F.mse_loss,
+    F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.kl_div, F.binary_cross_entropy_with_logits, F.softplus,
+    F.cosine_similarity, getattr(F, "rms_norm", None), torch.layer_norm, torch.group_norm, torch.softmax,
+    _T.softmax, torch.log_softmax, _T.log_softmax, torch.exp, _T.exp, torch.log, _T.log, torch.log1p,
+    _T.log1p, torch.log2, torch.log10, torch.expm1, torch.pow, _T.pow, _T.__pow__, torch.rsqrt, _T.rsqrt,
+    torch.reciprocal, _T.reciprocal, torch.erfinv, torch.acos, torch.asin, torch.cosh, torch.sinh,
+    torch.tan, torch.norm, _T.norm, torch.linalg.vector_norm, torch.cumsum, _T.cumsum, torch.cumprod,
+    torch.prod, torch.sum, _T.sum, torch.logsumexp, _T.logsumexp, torch.cdist, torch.dist,
+)  # fmt: skip
+"""CUDA autocast's fp32 operators (and those it runs with an fp32 output)."""
+
+
+class _CudaMode(TorchFunctionMode):
+    """Attention through `cuda_attention` for callers holding the function itself; with `autocast`,
+    CUDA autocast's casts."""
+
+    def __init__(self, autocast: Optional[torch.dtype]):
+        super().__init__()
+        self.autocast = autocast
+        self.casts: dict[int, torch.Tensor] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.autocast is not None:
+            if func in LOWER:
+                args, kwargs = self._cast(args, kwargs, self.autocast)
+            elif func in FP32:
+                args, kwargs = self._cast(args, kwargs, torch.float32)
+        if func is _SDPA:
+            return cuda_attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def attention(self, *args, **kwargs):
+        """Attention reached through torch.nn.functional's attribute (from inside a composite function,
+        where the mode does not see the call): the mode's casts, then CUDA's kernel."""
+        if self.autocast is not None:
+            args, kwargs = self._cast(args, kwargs, self.autocast)
+        with torch._C.DisableTorchFunction():
+            return cuda_attention(*args, **kwargs)
+
+    def _cast(self, args, kwargs, dtype: torch.dtype):
+        def cast(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dtype == dtype:
+                return value
+            if dtype != torch.float32 and value.dtype != torch.float32:
+                return value  # autocast casts fp32 down and half precision up, nothing else
+            if value.is_leaf and value.requires_grad and dtype != torch.float32:
+                cached = self.casts.get(id(value))
+                if cached is None:
+                    cached = self.casts[id(value)] = value.to(dtype)
+                return cached
+            return value.to(dtype)
+
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+
+class Kernels:
+    """What a `cuda_kernels` block reports, and the end of its autocast region."""
+
+    def __init__(self, mode: _CudaMode):
+        self._mode = mode
+        self.choices = _CHOICES
+        """Attention kernels taken, by name ({"flash": 24})."""
+
+    def end_forward(self) -> None:
+        """Autocast's cache of parameter casts ends with its region, the forward; the casts live on where
+        backward keeps them."""
+        self._mode.casts.clear()
+
+
+@contextlib.contextmanager
+def cuda_kernels(autocast: Optional[torch.dtype] = None) -> Iterator[Kernels]:
+    """Within: meta tensors take CUDA's attention kernels and (with `autocast`) CUDA autocast's casts.
+    torch.nn.functional's own callers (nn.MultiheadAttention) reach attention through the module's
+    attribute, swapped for the block's duration; `cuda_attention` passes any device but meta to torch's
+    own function, so other threads are unaffected."""
+    _CHOICES.clear()
+    mode = _CudaMode(autocast)
+    F.scaled_dot_product_attention = mode.attention
+    try:
+        with mode:
+            yield Kernels(mode)
+    finally:
+        F.scaled_dot_product_attention = _SDPA
+        mode.casts.clear()
