@@ -202,3 +202,25 @@ def test_no_first_guess_where_the_model_cannot_predict():
     assert (
         largest_predicted_to_fit(lambda micro: 20.0, 10.0, Steps(granularity=8)) == 8
     )  # over even at the smallest
+
+
+def test_a_prediction_the_first_probe_confirms_ends_the_search_there():
+    # The traced prediction puts the answer at 96 of steps of 16 (linear peaks, measured as predicted):
+    # the first probe fits, the next size up is predicted 7 % over the budget: one probe, the answer.
+    steps = Steps(16, 192)
+    peaks = {m: 1.2 + 0.01 * m for m in range(16, 208, 16)}
+    budget = 2.2
+    found = BracketSearch(budget, steps, 96, predicted=peaks.get)
+    assert found.next_probe() == 96
+    found.record(96, "ok", peaks[96])
+    assert found.next_probe() is None and found.answer == 96 == exhaustive_answer(peaks, budget)
+    # The next size predicted within 5 % of the budget: measured before the answer stands.
+    near = BracketSearch(2.35, steps, 96, predicted=peaks.get)
+    near.record(96, "ok", peaks[96])
+    assert near.next_probe() == 112
+    near.record(112, "ok", peaks[112])
+    assert near.next_probe() is not None  # it fit: the search reaches on as before
+    # A first probe that missed its prediction by more than 5 %: the usual search, not a confirmation.
+    missed = BracketSearch(budget, steps, 96, predicted={m: p * 0.9 for m, p in peaks.items()}.get)
+    missed.record(96, "ok", peaks[96])
+    assert missed.next_probe() == 192  # no slope measured yet: it reaches for twice the size, as before

@@ -109,12 +109,20 @@ class Probe:
     """Memory the probe's micro-batch added per sample (activations), where measured."""
 
 
+CONFIRM = 0.05
+"""A first probe measured within this fraction of its prediction confirms the prediction: the next size
+up is probed only where it too is predicted within this fraction of the budget."""
+
+
 @dataclass
 class BracketSearch:
     budget_gib: float
     steps: Steps
     first_guess: Optional[int] = None
     """Where the memory model puts the answer; None: start at the smallest micro-batch."""
+    predicted: Optional[Callable[[int], Optional[float]]] = None
+    """The memory model's peak (GiB) at a micro-batch, where it predicts one: a first guess it predicted
+    well is confirmed rather than searched around."""
     probes: list[Probe] = field(default_factory=list)
     stopped: Optional[str] = None
     """Why the search ended early (a probe failed for another reason than memory)."""
@@ -162,6 +170,18 @@ class BracketSearch:
         slopes = [p.per_sample_gib for p in measured if p.per_sample_gib]
         return slopes[-1] if slopes else None
 
+    def _confirmed(self, lo: Probe) -> Optional[int]:
+        """After a first guess that fit and measured as predicted (within CONFIRM): 0 when the next size
+        up is predicted over the budget by more than CONFIRM (the guess is the answer), else that size
+        (to measure). None: no prediction to confirm, or it missed (search as usual)."""
+        if self.predicted is None or len(self.probes) != 1 or lo.micro_batch_size != self.first_guess:
+            return None
+        here, up = self.predicted(lo.micro_batch_size), self.steps.up(lo.micro_batch_size)
+        above = self.predicted(up) if up <= self.steps.largest else None
+        if not here or lo.peak_gib is None or abs(lo.peak_gib / here - 1) > CONFIRM or above is None:
+            return None
+        return 0 if above > self.budget_gib * (1 + CONFIRM) else up
+
     def next_probe(self) -> Optional[int]:
         """The micro-batch to try next; None when the search is done."""
         if self.stopped:
@@ -174,6 +194,9 @@ class BracketSearch:
         if hi is None:  # everything fits so far: reach for the budget, at least one step up
             if lo.micro_batch_size >= steps.largest:
                 return None
+            confirmed = self._confirmed(lo)
+            if confirmed is not None:
+                return confirmed or None
             reach = (
                 lo.micro_batch_size + (self.budget_gib - lo.peak_gib) / slope
                 if slope

@@ -100,6 +100,7 @@ def build_hf(model_type: str, config: dict, seq_len, input_shape, num_classes, c
     max_positions = getattr(text_config, "max_position_embeddings", None) if task in TOKEN_TASKS else None
     if not isinstance(max_positions, int) or max_positions < 1:  # XLNet's -1: no limit
         max_positions = None
+    defaulted = seq_len is None
     if max_positions is not None:
         seq_len = seq_len or min(DEFAULT_SEQ_LEN, max_positions)
         if seq_len > max_positions:
@@ -137,6 +138,15 @@ def build_hf(model_type: str, config: dict, seq_len, input_shape, num_classes, c
         module = getattr(transformers, mappings[task][0]).from_config(hf_config, **counted)
     except Exception as error:
         raise ModelError(f"building {source} with model_config {config} failed: {one_line(error)}") from None
+    limit = _positions_from_padding(module)
+    if limit is not None and max_positions is not None and seq_len > limit:
+        if not defaulted:
+            raise ModelError(
+                f"seq_len {seq_len} exceeds {source}'s positions: it numbers them from its padding index, so "
+                f"max_position_embeddings {max_positions} leaves {limit}; lower seq_len or raise "
+                "max_position_embeddings in model_config"
+            )
+        seq_len, max_positions = limit, limit
     blocks = find_blocks(module)
     enable = (
         _hf_checkpointing
@@ -198,6 +208,20 @@ def _loss(model, batch) -> torch.Tensor:
     if isinstance(batch, torch.Tensor):
         return model(input_ids=batch, labels=batch).loss.float()
     return model(**batch).loss.float()
+
+
+def _positions_from_padding(module) -> int | None:
+    """The positions a RoBERTa-style model can index: its learned position embeddings number them from
+    padding_idx + 1 (Transformers' create_position_ids_from_input_ids), so a table of N rows holds N -
+    padding_idx - 1 of them. None for a model without such a table."""
+    for name, child in module.named_modules():
+        if (
+            name.endswith("position_embeddings")
+            and isinstance(child, torch.nn.Embedding)
+            and child.padding_idx is not None
+        ):
+            return child.num_embeddings - child.padding_idx - 1
+    return None
 
 
 def _text_config(hf_config):

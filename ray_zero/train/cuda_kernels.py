@@ -86,21 +86,42 @@ LOWER = _present(
     F.conv_transpose3d, F.prelu, torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm,
     torch.bmm, _T.bmm, torch.baddbmm, _T.baddbmm, torch.addmm, _T.addmm, torch.addbmm, torch.addmv,
     torch.addr, torch.mv, _T.mv, torch.einsum, torch.chain_matmul, torch.linalg.multi_dot,
-    torch.linalg.vecdot, torch.conv1d, torch.conv2d, torch.conv3d, getattr(torch, "_grouped_mm", None),
-    _SDPA,
+    torch.linalg.vecdot, torch.conv1d, torch.conv2d, torch.conv3d, _SDPA,
 )  # fmt: skip
-"""CUDA autocast's lower-precision operators, by the Python functions that reach them."""
+"""CUDA autocast's lower-precision operators, by the Python functions that reach them (ATen's
+autocast_mode.h; grouped matmuls are not among them: an fp32 weight computes in fp32)."""
 FP32 = _present(
-    F.layer_norm, F.group_norm, F.softmax, F.log_softmax, F.cross_entropy, F.nll_loss, F.mse_loss,
-    F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.kl_div, F.binary_cross_entropy_with_logits, F.softplus,
-    F.cosine_similarity, getattr(F, "rms_norm", None), torch.layer_norm, torch.group_norm, torch.softmax,
-    _T.softmax, torch.log_softmax, _T.log_softmax, torch.exp, _T.exp, torch.log, _T.log, torch.log1p,
-    _T.log1p, torch.log2, torch.log10, torch.expm1, torch.pow, _T.pow, _T.__pow__, torch.rsqrt, _T.rsqrt,
-    torch.reciprocal, _T.reciprocal, torch.erfinv, torch.acos, torch.asin, torch.cosh, torch.sinh,
-    torch.tan, torch.norm, _T.norm, torch.linalg.vector_norm, torch.cumsum, _T.cumsum, torch.cumprod,
-    torch.prod, torch.sum, _T.sum, torch.logsumexp, _T.logsumexp, torch.cdist, torch.dist,
+    F.layer_norm, F.group_norm, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
+    F.kl_div, F.binary_cross_entropy_with_logits, F.softplus, F.cosine_similarity, F.interpolate,
+    getattr(F, "rms_norm", None), torch.layer_norm, torch.group_norm, torch.exp, _T.exp, torch.log, _T.log,
+    torch.log1p, _T.log1p, torch.log2, torch.log10, torch.expm1, torch.pow, _T.pow, _T.__pow__,
+    torch.rsqrt, _T.rsqrt, torch.reciprocal, _T.reciprocal, torch.erfinv, torch.acos, torch.asin,
+    torch.cosh, torch.sinh, torch.tan, torch.logsumexp, _T.logsumexp, torch.cdist, torch.dist,
 )  # fmt: skip
-"""CUDA autocast's fp32 operators (and those it runs with an fp32 output)."""
+"""CUDA autocast's fp32 operators: their floating inputs cast to fp32."""
+FP32_OUTPUT = _present(
+    F.softmax, F.log_softmax, torch.softmax, _T.softmax, torch.log_softmax, _T.log_softmax, torch.sum,
+    _T.sum, torch.cumsum, _T.cumsum, torch.cumprod, _T.cumprod, torch.prod, _T.prod,
+    torch.linalg.vector_norm,
+)  # fmt: skip
+"""CUDA autocast's fp32_set_opt_dtype operators: run with dtype=fp32 (an fp32 output, the input as it is)."""
+
+
+def _low(args) -> bool:
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype in LOW
+
+
+def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                   reduction="mean", label_smoothing=0.0):  # fmt: skip
+    """cross_entropy as autocast runs its parts on a low-precision input: log_softmax with an fp32 output
+    (no fp32 copy of the input), then nll_loss."""
+    if label_smoothing:
+        return F.cross_entropy(
+            input.float(), target, weight, None, ignore_index, None, reduction, label_smoothing
+        )
+    log_probabilities = F.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=torch.float32)
+    weight = weight.float() if weight is not None else None
+    return F.nll_loss(log_probabilities, target, weight, None, ignore_index, None, reduction)
 
 
 class _CudaMode(TorchFunctionMode):
@@ -119,6 +140,10 @@ class _CudaMode(TorchFunctionMode):
                 args, kwargs = self._cast(args, kwargs, self.autocast)
             elif func in FP32:
                 args, kwargs = self._cast(args, kwargs, torch.float32)
+            elif func in FP32_OUTPUT and _low(args) and kwargs.get("dtype") is None:
+                kwargs = {**kwargs, "dtype": torch.float32}
+            elif func is F.cross_entropy and _low(args):
+                return _cross_entropy(*args, **kwargs)
         if func is _SDPA:
             return cuda_attention(*args, **kwargs)
         return func(*args, **kwargs)

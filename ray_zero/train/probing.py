@@ -88,7 +88,7 @@ class SearchSpec:
 
     def search(self) -> BracketSearch:
         """The search with the probes already done and its first guess."""
-        found = BracketSearch(self.budget_gib, self.steps, self.first_guess())
+        found = BracketSearch(self.budget_gib, self.steps, self.first_guess(), self.predicted_peak)
         for probe in self.done:
             found.record(
                 probe.micro_batch_size, probe.status, probe.peak_gib, probe.per_sample_gib, probe.error
@@ -98,18 +98,21 @@ class SearchSpec:
     def needs_calibration(self) -> bool:
         return self.calibrate and self.calibration is None
 
-    def first_guess(self) -> Optional[int]:
-        """Where the memory model puts the answer (GPU, where it predicts activations: the presets' shapes,
-        or this search's calibration); None: the search starts at the smallest size."""
+    def predicted_peak(self, micro: int) -> Optional[float]:
+        """The memory model's peak (GiB) at `micro` on a GPU: the point's traced step, else this search's
+        calibration, else the presets' shapes; None where it predicts none (CPU, or unknown)."""
         if not self.spec.use_gpu:
             return None
         calibrated = {"bytes_per_sample": self.calibration} if self.calibration else None
+        peak = predict_point(trial_row(self.at(micro)), calibrated).peak_bytes
+        return None if peak is None else peak / GIB
 
-        def predicted(micro: int) -> Optional[float]:
-            peak = predict_point(trial_row(self.at(micro)), calibrated).peak_bytes
-            return None if peak is None else peak / GIB
-
-        return largest_predicted_to_fit(predicted, self.budget_gib, self.steps)
+    def first_guess(self) -> Optional[int]:
+        """Where the memory model puts the answer (`predicted_peak`); None: the search starts at the
+        smallest size."""
+        if not self.spec.use_gpu:
+            return None
+        return largest_predicted_to_fit(self.predicted_peak, self.budget_gib, self.steps)
 
 
 def calibration_probes(search: SearchSpec) -> list[TrialSpec]:
