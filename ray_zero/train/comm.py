@@ -186,6 +186,7 @@ def counting(counter: CommCounter) -> Iterator[CommCounter]:
     """Count the collectives issued inside it into `counter` (and time their holds); torch.distributed,
     Work.wait and DeepSpeed's backend as they were, outside it."""
     global _ACTIVE
+    outer = _ACTIVE  # a counting around this one counts again once this one ends
     originals = {name: getattr(dist, name) for name in _SIZES if hasattr(dist, name)}
     wrappers = {name: _counting(name, function) for name, function in originals.items()}
     by_function = {id(function): wrappers[name] for name, function in originals.items()}
@@ -210,7 +211,7 @@ def counting(counter: CommCounter) -> Iterator[CommCounter]:
         _ACTIVE = counter
         yield counter
     finally:
-        _ACTIVE = None
+        _ACTIVE = outer
         for owner, attribute, value in reversed(restore):
             if value is _MISSING:
                 delattr(owner, attribute)

@@ -44,18 +44,16 @@ class StepClock:
             return event
         return time.perf_counter()
 
-    def _held(self) -> Any:
-        return self.comm.take_held() if self.comm is not None else 0.0
-
     def start(self) -> None:
         """At the start of a step."""
-        self._held()  # what came before the step is not its
+        if self.comm is not None:
+            self.comm.take_held()  # what came before the step is not its
         self._steps.append([("start", self._now(), None)])
 
     def mark(self, phase: str) -> None:
         """The end of a phase of the current step (engines call it: ray_zero/train/engine_base.py)."""
         if self._steps:
-            self._steps[-1].append((phase, self._now(), self._held()))
+            self._steps[-1].append((phase, self._now(), self.comm.take_held() if self.comm else None))
 
     def _seconds(self, since: Any, until: Any) -> float:
         if self.device.type == "cuda":

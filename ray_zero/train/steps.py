@@ -76,14 +76,15 @@ class _Timing:
         self.spread: Optional[float] = None
         self.met = False
 
-    def settled(self, clock: StepClock, device) -> bool:
-        """Whether the window may end now (the rule met, or the budget spent); the device caught up."""
-        synchronize(device)
-        seconds = clock.step_seconds()
-        self.median, self.spread = median_and_spread(seconds)
-        within = self.bound is None or (self.spread is not None and self.spread <= self.bound)
-        self.met = sum(seconds) >= self.min_s and within
-        return self.met or len(seconds) >= self.budget
+    def settled(self, clock: StepClock, meter) -> bool:
+        """Whether the window may end now (the rule met, or the budget spent)."""
+        synchronize(meter.device)  # the steps' work is the window's; reading their marks is not
+        with meter.untimed():
+            seconds = clock.step_seconds()
+            self.median, self.spread = median_and_spread(seconds)
+            within = self.bound is None or (self.spread is not None and self.spread <= self.bound)
+            self.met = sum(seconds) >= self.min_s and within
+            return self.met or len(seconds) >= self.budget
 
 
 def train_steps(run, engine, data: Data) -> dict[str, Any]:
@@ -111,7 +112,8 @@ def train_steps(run, engine, data: Data) -> dict[str, Any]:
         run.phase = f"step {step}"
         if engine.clock is not None:
             engine.clock.start()
-        inject_fault(spec, run.rank, step, run.attempt)
+        if spec.experiment.fault:
+            inject_fault(spec, run.rank, step, run.attempt)
         step_loss = None
         for micro_step in range(accum):
             batch = cast_floating(next(data.batches), engine.input_dtype)
@@ -156,7 +158,7 @@ def train_steps(run, engine, data: Data) -> dict[str, Any]:
         # The rule is checked where the device is waited for anyway (a window's end), and at the budget.
         check = window or step == data.total_steps or step - warmup >= timing.budget
         ended = step >= data.total_steps and check
-        if ended and timing.settled(clock, device):
+        if ended and timing.settled(clock, meter):
             losses.last = step_loss.item()
             break
         if window:
