@@ -6,7 +6,7 @@ python -m ray_zero sweep experiments/quick.yaml --address auto  # join a running
 python -m ray_zero sweep --resume runs/quick-20261129-120000     # finish an interrupted sweep
 python -m ray_zero fit experiments/gpt2_tiny_fit.yaml --budget-gib 3   # largest micro-batch that fits
 python -m ray_zero report runs/quick-20261129-120000             # tables, plots, report.html again
-python -m ray_zero estimate --model hf:gpt2 --workers 1,2,4,8    # the memory model alone
+python -m ray_zero estimate experiments/llama_1b.yaml           # every grid point predicted
 python -m ray_zero bandwidth --workers 2                         # busbw between workers, for estimate
 python -m ray_zero estimate --measured runs/X --bandwidth bandwidth.json   # samples/s at 1-8 workers
 python -m ray_zero keys                                          # every experiment key
@@ -129,6 +129,7 @@ def _parser() -> argparse.ArgumentParser:
         "report", help="re-render a finished sweep's tables, plots and report page (no Ray)"
     )
     report.add_argument("directory", type=Path, help="the sweep's output folder")
+    report.add_argument("--predict", action="store_true", help="predict every row again (traced anew)")
 
     estimate = commands.add_parser("estimate", help="print the memory model's prediction, no training")
     estimate.add_argument("experiment", nargs="?", help="an experiment YAML to start from (optional)")
@@ -261,7 +262,7 @@ def _report(args) -> int:
     from ray_zero.report.tables import console_table, rerender
 
     try:
-        frame = rerender(args.directory)
+        frame = rerender(args.directory, predict=args.predict)
     except FileNotFoundError as error:
         raise ConfigError(str(error)) from None
     print(console_table(frame))

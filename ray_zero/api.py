@@ -151,7 +151,11 @@ def checks_here(address: Optional[str]) -> bool:
 
 def _use_cluster_token(address: Optional[str]) -> None:
     """`ray start --head` turns token authentication on where a token exists (~/.ray/auth_token); a client
-    joining it must say so, before Ray is imported (Ray reads RAY_AUTH_MODE once)."""
+    joining it at an address must say so in RAY_AUTH_MODE before Ray is imported (Ray reads it once, as it
+    loads, and has no argument for it). Set only then, and left set: the process stays joined to that
+    cluster after the sweep (ray_zero does not disconnect a cluster it joined), and child processes that
+    join it need the same. A private Ray's own start sets it too; ray_zero/run/cluster.py's stop_ray puts
+    that back."""
     joining = address or os.environ.get("RAY_ADDRESS")
     has_token = os.environ.get("RAY_AUTH_TOKEN") or (Path.home() / ".ray" / "auth_token").is_file()
     if joining and has_token and "RAY_AUTH_MODE" not in os.environ:
@@ -173,6 +177,9 @@ def _prepare(experiment, overrides, output, resume, address) -> tuple[Experiment
             raise ConfigError("give an experiment, e.g. experiments/quick.yaml")
         loaded = experiment_of(experiment, overrides)
         output = Path(output) if output else Path("runs") / f"{loaded.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+    from ray_zero.run.stack import check_stack  # installed versions only: no Ray, torch or DeepSpeed
+
+    check_stack(loaded)
     model = describe(loaded, address)
     _use_cluster_token(address)
     return loaded, output, model
@@ -273,12 +280,13 @@ def estimate(
     GPU, if it has one). With `measured` (a sweep's folder; its experiment when `model` is empty) and
     `bandwidth` (a file of `bandwidth`) or `busbw` (GB/s): `.speed`, samples/s at each worker count."""
     from ray_zero.report.estimate import estimate as estimate_table
+    from ray_zero.report.estimate import grid_overrides, this_gpu_gib
     from ray_zero.report.speed_estimate import speed_head, speed_source, speed_table
 
     source = speed_source(measured, bandwidth, busbw)
     if not model and measured is not None:
         model = dict(read_experiment_file(Path(measured)).get("experiment") or {})
-    narrowed = [*overrides, *_grid_overrides(workers, stages, backend, precision, micro_batch_size)]
+    narrowed = [*overrides, *grid_overrides(workers, stages, backend, precision, micro_batch_size)]
     is_source = isinstance(model, str) and not model.endswith((".yaml", ".yml"))
     experiment = (
         validate_experiment({"steps": 2, "warmup_steps": 1}, [f"model={model}", *narrowed], source="estimate")
@@ -287,7 +295,7 @@ def estimate(
     )
     info = describe(experiment, check_machine=False)
     result = estimate_table(
-        experiment, info, calibration_dir=calibration, gpu_gib=gpu_gib if gpu_gib else _gpu_gib()
+        experiment, info, calibration_dir=calibration, gpu_gib=gpu_gib if gpu_gib else this_gpu_gib()
     )
     if source is not None:
         from ray_zero.store import load_trials
@@ -303,33 +311,6 @@ def estimate(
         )
         result.speed_head = speed_head(source, measured)
     return result
-
-
-def _grid_overrides(workers, stages, backend, precision, micro_batch_size) -> list[str]:
-    """estimate's keyword arguments as the `--set` items of the keys they narrow."""
-    keys = {
-        "grid.num_workers": workers,
-        "grid.stage": stages,
-        "grid.backend": [backend] if isinstance(backend, str) else backend,
-        "grid.micro_batch_size": [micro_batch_size]
-        if isinstance(micro_batch_size, int)
-        else micro_batch_size,
-        "precision": precision,
-    }
-    return [
-        f"{key}={json.dumps(list(value) if isinstance(value, (list, tuple)) else value)}"
-        for key, value in keys.items()
-        if value is not None
-    ]
-
-
-def _gpu_gib() -> Optional[float]:
-    """This machine's GPU memory, GiB (None without one)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(0).total_memory / 1024**3
 
 
 def bandwidth(

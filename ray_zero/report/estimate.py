@@ -9,6 +9,7 @@ transients and workspaces, term by term.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,3 +148,30 @@ def _head(experiment: Experiment, model, precision: str, traces: dict, traced_s:
     if gpu_gib is not None:
         text += f"; fits_{gpu_gib:g}_gib: the peak (model states and buckets where it is unknown) within it"
     return text
+
+
+def grid_overrides(workers, stages, backend, precision, micro_batch_size) -> list[str]:
+    """estimate's keyword arguments as the `--set` items of the keys they narrow."""
+    keys = {
+        "grid.num_workers": workers,
+        "grid.stage": stages,
+        "grid.backend": [backend] if isinstance(backend, str) else backend,
+        "grid.micro_batch_size": [micro_batch_size]
+        if isinstance(micro_batch_size, int)
+        else micro_batch_size,
+        "precision": precision,
+    }
+    return [
+        f"{key}={json.dumps(list(value) if isinstance(value, (list, tuple)) else value)}"
+        for key, value in keys.items()
+        if value is not None
+    ]
+
+
+def this_gpu_gib() -> Optional[float]:
+    """This machine's GPU memory, GiB (None without one)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / 1024**3
