@@ -310,6 +310,7 @@ def estimate(
             experiment.gradient_accumulation_steps,
         )
         result.speed_head = speed_head(source, measured)
+        result.add_speed()
     return result
 
 

@@ -6,6 +6,7 @@ test_zoo.py) and nccl-tests' bus factors."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +135,20 @@ def test_estimates_speed_options_are_one_line_each(tmp_path):
     with pytest.raises(ConfigError, match="give one of --bandwidth FILE"):
         speed_source(tmp_path, tmp_path / "bw.json", 3.0)
     assert speed_source(tmp_path, None, 3.0).busbw("all_reduce", 2**20) == 3.0
+
+
+def test_estimate_puts_the_predicted_samples_per_s_beside_each_points_memory():
+    import ray_zero
+
+    folder = Path(__file__).resolve().parents[1] / "bench" / "results" / "speed-cpu-2core" / "sweep"
+    found = ray_zero.estimate("", measured=folder, busbw=5.0, workers=[1, 2])
+    assert "samples_per_s" in found.table and found.speed is not None and len(found.speed)
+    for line in found.table.to_dict("records"):
+        match = found.speed[
+            (found.speed["backend"] == line["backend"])
+            & (found.speed["stage"] == line["stage"])
+            & (found.speed["micro_batch"] == line["micro_batch"])
+            & (found.speed["workers"] == line["workers"])
+        ]
+        assert line["samples_per_s"] == pytest.approx(match["samples_per_s"].iloc[0]) if len(match) else True
+    assert found.table["samples_per_s"].notna().any()

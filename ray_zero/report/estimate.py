@@ -51,6 +51,15 @@ class Estimate:
     rows: Optional[list] = None
     """Each point's row, as a sweep's row of it would hold its prediction (rows.trial_row)."""
 
+    def add_speed(self) -> None:
+        """samples/s beside each point's memory, where the speed table predicts its engine, stage,
+        micro-batch and worker count."""
+        if self.speed is None or not len(self.speed):
+            return
+        keys = ["backend", "stage", "micro_batch", "workers"]
+        speed = self.speed[keys + ["samples_per_s"]].drop_duplicates(keys)
+        self.table = self.table.merge(speed, on=keys, how="left")
+
     def __str__(self) -> str:
         text = self.table.to_string(index=False, float_format=lambda v: f"{v:.3f}", na_rep="-")
         if self.speed is not None:
