@@ -134,9 +134,10 @@ def run_one(path: str, precision: str, output: Path, overrides: list[str], comma
     from ray_zero.measure import calibration
     from ray_zero.models.describe import build_model_spec, describe_model
     from ray_zero.report.tables import write_pages, write_results
-    from ray_zero.rows import finish_row, skipped_row
+    from ray_zero.rows import repredicted, skipped_row
     from ray_zero.run.plan import Cluster, plan_sweep
     from ray_zero.store import EXPERIMENT_FILE, append_trial, atomic_write
+    from ray_zero.train.grid_trace import trace_grid, trace_key
 
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
@@ -158,8 +159,20 @@ def run_one(path: str, precision: str, output: Path, overrides: list[str], comma
         ),
     )
 
+    # Each point's step traced before any run, as a sweep's session traces it (ray_zero/train/grid_trace.py).
+    traced = trace_grid(experiment.model_source(), plan.runnable, plan.precision) if on_gpu else {}
+    untraced = {(p.backend, p.activation_checkpointing) for p in plan.runnable}
+    untraced = {
+        k
+        for k in untraced
+        if isinstance(traced.get(trace_key(k[0], plan.precision, k[1])), (str, type(None)))
+    }
+
     def spec(point, length=experiment, label=""):
-        return TrialSpec(length, point, plan.precision, on_gpu, model, str(output), label=label)
+        activations = traced.get(trace_key(point.backend, plan.precision, point.activation_checkpointing))
+        return TrialSpec(
+            length, point, plan.precision, on_gpu, model, str(output), label=label, activations=activations
+        )
 
     torch.manual_seed(experiment.seed)
     pristine = build_model_spec(experiment.model_source())
@@ -171,7 +184,14 @@ def run_one(path: str, precision: str, output: Path, overrides: list[str], comma
     runs = [spec(p) for p in sorted(plan.runnable, key=last)] + [
         spec(p, probe, "calibration")
         for p in sorted(
-            calibration.calibration_points(experiment, model, plan.precision, plan.use_gpu), key=last
+            calibration.calibration_points(
+                experiment,
+                model,
+                plan.precision,
+                plan.use_gpu,
+                calibration.engines_to_calibrate(experiment, plan.use_gpu, untraced),
+            ),
+            key=last,
         )
     ]
     rows = [skipped_row(spec(p), reason) for p, reason in plan.skipped]
@@ -186,13 +206,15 @@ def run_one(path: str, precision: str, output: Path, overrides: list[str], comma
             + (f"; {row['error']}" if row.get("error") else ""),
             flush=True,
         )
-    found = calibration.write_calibration(
-        output, experiment, [r for r in rows if r["trial"].endswith("_calibration")], on_gpu, plan.precision
-    )
-    print(f"zoo:   {calibration.summary(found)}", flush=True)
+    measured = [r for r in rows if r["trial"].endswith("_calibration")]
+    found = None
+    if measured:  # the calibration ran after the grid here: its rows are predicted with it now, once
+        found = calibration.write_calibration(output, experiment, measured, on_gpu, plan.precision)
+        print(f"zoo:   {calibration.summary(found)}", flush=True)
+    rows = [repredicted(row, found) for row in rows]
     for row in rows:
-        append_trial(output, finish_row(row, found))
-    frame = write_results(output, [finish_row(r, found) for r in rows], provenance)
+        append_trial(output, row)
+    frame = write_results(output, rows, provenance)
     write_pages(output, frame)
 
 
