@@ -6,9 +6,9 @@ tensors; `autocast("cuda")` turns itself off without a GPU. `cuda_kernels(autoca
 memory, what a CUDA device (sm80 or newer) does:
 
 - `scaled_dot_product_attention`: the fused kernel CUDA picks (`attention_kernel`: flash for fp16/bf16
-  without a mask and a head of at most 256 elements, else memory-efficient where the head is aligned,
-  else the math path). A fused kernel keeps the output and a log-sum-exp per row, not the attention
-  matrix that the math path keeps;
+  without a mask and a head of at most 256 elements, else memory-efficient where the head is aligned and
+  the mask does not require grad, else the math path). A fused kernel keeps the output and a log-sum-exp
+  per row, not the attention matrix that the math path keeps;
 - autocast (`autocast=dtype`): CUDA autocast's rules, applied by the mode: matmuls and convolutions in
   the low dtype (a leaf parameter's cast made once per forward and kept, as autocast's cache keeps it),
   normalisations, softmax, losses and the pointwise functions CUDA runs in fp32 in fp32.
@@ -39,6 +39,8 @@ def attention_kernel(query, key, value, attn_mask, enable_gqa: bool = False) -> 
     heads = query.shape[-1], key.shape[-1], value.shape[-1]
     if low and attn_mask is None and len(set(heads)) == 1 and heads[0] <= FLASH_MAX_HEAD:
         return "flash"
+    if attn_mask is not None and attn_mask.requires_grad:
+        return "math"  # a mask that learns (T5's position bias): its saved step matched the math path
     alignment = 8 if low else 4
     grouped = enable_gqa and query.shape[-3] != key.shape[-3]
     if not grouped and heads[0] == heads[1] and heads[0] % alignment == 0 and heads[2] % alignment == 0:
