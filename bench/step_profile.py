@@ -26,6 +26,8 @@ from collections import defaultdict
 from pathlib import Path
 
 ENGINES = [("deepspeed", 0), ("deepspeed", 3), ("torch_zero", 0), ("fsdp", 3)]
+SEED = ["model=seed", "dataset=synthetic", "steps=230", "warmup_steps=30"]
+"""The default: the seed model at micro-batch 1, a step the host sets the pace of."""
 
 
 def package(filename: str, ours: str) -> str:
@@ -77,8 +79,7 @@ def profile_engine(spec, device, ours: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", default="experiments/quick.yaml")
-    parser.add_argument("--set", action="append", default=["model=seed", "dataset=synthetic", "steps=230",
-                                                            "warmup_steps=30"])  # fmt: skip
+    parser.add_argument("--set", action="append", help=f"an experiment override (default: {' '.join(SEED)})")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--checkout", default=str(Path(__file__).resolve().parents[1]))
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--output", required=True)
     parser.add_argument("--engine", help="BACKEND,STAGE: profile this one here (the script runs each so)")
     args = parser.parse_args()
+    args.set = args.set or SEED
     checkout = str(Path(args.checkout).resolve())
     sys.path.insert(0, checkout)
     gpu = args.device == "gpu"
