@@ -115,15 +115,15 @@ def _low(args) -> bool:
 
 def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                    reduction="mean", label_smoothing=0.0):  # fmt: skip
-    """cross_entropy as autocast runs its parts on a low-precision input: log_softmax with an fp32 output
-    (no fp32 copy of the input), then nll_loss."""
+    """cross_entropy under autocast, as its parts run: ATen's cross_entropy_loss asks log_softmax for the
+    input's own dtype (so it stays in half precision), and nll_loss, an fp32 operator, takes an fp32 copy."""
     if label_smoothing:
         return F.cross_entropy(
             input.float(), target, weight, None, ignore_index, None, reduction, label_smoothing
         )
-    log_probabilities = F.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=torch.float32)
+    log_probabilities = F.log_softmax(input, 1 if input.dim() > 1 else 0, dtype=input.dtype)
     weight = weight.float() if weight is not None else None
-    return F.nll_loss(log_probabilities, target, weight, None, ignore_index, None, reduction)
+    return F.nll_loss(log_probabilities.float(), target, weight, None, ignore_index, None, reduction)
 
 
 class _CudaMode(TorchFunctionMode):
