@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from ray_zero.schema import trial_record
+from ray_zero.schema import recorded_record, trial_record
 
 EXPERIMENT_FILE = "experiment.yaml"
 TRIALS_FILE = "trials.jsonl"
@@ -60,10 +60,10 @@ def append_trial(output_dir: Path, row: dict[str, Any]) -> None:
 
 
 def replace_trials(output_dir: Path, rows: list[dict[str, Any]]) -> None:
-    """trials.jsonl rewritten with `rows` (each checked against the registry), atomically: `report
-    --predict` stores the prediction it made again."""
+    """trials.jsonl rewritten with `rows` (each checked against the registry, an earlier version's own
+    fields kept), atomically: `report --predict` stores the prediction it made again."""
     for row in rows:
-        trial_record(row)
+        recorded_record(row)
     atomic_write(output_dir / TRIALS_FILE, "".join(json.dumps(row, default=str) + "\n" for row in rows))
 
 

@@ -3,7 +3,14 @@ the lowest layer: it imports nothing of ray_zero. ray_zero/schema/columns.py say
 
 from ray_zero.schema.columns import HOW_TEXT, Column, Registry
 from ray_zero.schema.rank_columns import RANK
-from ray_zero.schema.records import RankReport, RecordError, TrialRecord, rank_report, trial_record
+from ray_zero.schema.records import (
+    RankReport,
+    RecordError,
+    TrialRecord,
+    rank_report,
+    recorded_record,
+    trial_record,
+)
 from ray_zero.schema.trial_columns import TRIAL
 
 __all__ = [
@@ -16,5 +23,6 @@ __all__ = [
     "Registry",
     "TrialRecord",
     "rank_report",
+    "recorded_record",
     "trial_record",
 ]

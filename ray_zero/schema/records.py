@@ -75,6 +75,22 @@ def trial_record(row: dict[str, Any]) -> dict[str, Any]:
     return _check(_models(RANK.columns, TRIAL.columns)[1], row, f"the row of trial {row.get('trial')!r}")
 
 
+def recorded_record(row: dict[str, Any]) -> dict[str, Any]:
+    """A row an earlier version recorded, checked as a TrialRecord but for the fields of other names its
+    version wrote (LEGACY), which stay in it as they are; returned as it is."""
+    from ray_zero.schema.rank_columns import LEGACY as RANK_LEGACY
+    from ray_zero.schema.trial_columns import LEGACY as TRIAL_LEGACY
+
+    current = {k: v for k, v in row.items() if k not in TRIAL_LEGACY}
+    if isinstance(current.get("per_rank"), list):
+        current["per_rank"] = [
+            {k: v for k, v in rank.items() if k not in RANK_LEGACY} if isinstance(rank, dict) else rank
+            for rank in current["per_rank"]
+        ]
+    trial_record(current)
+    return row
+
+
 def _aggregates_name_rank_columns() -> None:
     missing = [c.name for c in TRIAL.columns if c.of and c.of not in RANK]
     if missing:  # at import: a trial column aggregating a rank column that does not exist
