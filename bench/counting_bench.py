@@ -3,7 +3,7 @@ it is now (after the timed window), without any counting, and as it was (issue 5
 
     python bench/counting_bench.py --output OUT                                   # 2 CPU ranks
     python bench/counting_bench.py --device gpu --workers 1 --experiment experiments/gpt2_zero.yaml \\
-        --micro-batch 4 --output OUT                                               # one GPU
+        --micro-batch 4 --engines deepspeed:0,deepspeed:1 --output OUT            # one GPU, some engines
 
 Three modes, each run `--reps` times per engine, the modes' order turned each round:
 
@@ -18,7 +18,8 @@ Three modes, each run `--reps` times per engine, the modes' order turned each ro
 `new` and `off` run in one set of rank processes that never hold a wrapper outside the counted steps;
 `old` in another set, started beside it (the wrappers it installs never leave its processes). Each run is
 ray_zero.train.worker.train, the function a Ray Train worker runs, without Ray. Written: OUT/runs.jsonl (a
-line per run and rank) and OUT/table.md (hardware, versions, date, command; per engine each mode's median
+line per run; runs are added to those of earlier calls with the same OUT, so the engines can be run
+in several calls) and OUT/table.md (hardware, versions, date, command; per engine each mode's median
 samples/s summed over ranks, its min-max over the runs, and new/off and old/off).
 """
 
@@ -119,7 +120,9 @@ class Ranks:
         self.connections, self.processes = [], []
         for rank in range(world_size):
             mine, theirs = context.Pipe()
-            process = context.Process(target=_rank_main, args=(rank, world_size, port, gpu, theirs))
+            process = context.Process(
+                target=_rank_main, args=(rank, world_size, port, gpu, theirs), daemon=True
+            )
             process.start()
             self.connections.append(mine)
             self.processes.append(process)
@@ -164,8 +167,10 @@ def table(runs: list[dict], header: str) -> str:
     ]
     for backend, stage in ENGINES:
         mine = [r for r in runs if (r["backend"], r["stage"]) == (backend, stage)]
-        by = {(r["rep"], r["mode"]): r["samples_per_s"] for r in mine}
-        rates = {mode: [v for (_, m), v in by.items() if m == mode] for mode in MODES}
+        by = {(r.get("call", ""), r["rep"], r["mode"]): r["samples_per_s"] for r in mine}
+        rates = {mode: [v for (_, _, m), v in by.items() if m == mode] for mode in MODES}
+        if not any(rates.values()):
+            continue  # not run
         if not all(rates.values()):
             lines.append(f"| {engine_name(backend, stage)} | failed | | | | |")
             continue
@@ -174,7 +179,11 @@ def table(runs: list[dict], header: str) -> str:
         ]
         ratios = []
         for mode in ("new", "old"):
-            paired = [by[rep, mode] / by[rep, "off"] for rep, m in by if m == "off" and (rep, mode) in by]
+            paired = [
+                by[c, rep, mode] / by[c, rep, "off"]
+                for c, rep, m in by
+                if m == "off" and (c, rep, mode) in by
+            ]
             ratios.append(f"{statistics.median(paired):.3f} ({min(paired):.2f}-{max(paired):.2f})")
         lines.append(
             f"| {engine_name(backend, stage)} | {cells[1]} | {cells[0]} | {cells[2]} | {' | '.join(ratios)} |"
@@ -190,6 +199,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--reps", type=int, default=4, help="runs of each engine in each mode")
+    parser.add_argument("--engines", help="BACKEND:STAGE,... (default: all eight)")
     parser.add_argument("--output", required=True)
     parser.add_argument("--summarize", action="store_true", help="the table again from OUT/runs.jsonl")
     args = parser.parse_args()
@@ -205,24 +215,26 @@ def main() -> None:
     experiment = load_experiment(ROOT / args.experiment, args.set).with_absolute_paths()
     precision = experiment.resolved_precision(gpu)
     model = describe_model(experiment.model_source())
+    engines = (
+        [(b, int(s)) for b, s in (e.split(":") for e in args.engines.split(","))] if args.engines else ENGINES
+    )
     groups = {"stock": Ranks(args.workers, gpu), "old": Ranks(args.workers, gpu)}
-    runs: list[dict] = []
-    with open(out / "runs.jsonl", "w") as log:
+    call = datetime.datetime.now().isoformat(timespec="seconds")
+    with open(out / "runs.jsonl", "a") as log:
         for rep in range(args.reps):
-            for backend, stage in ENGINES:
+            for backend, stage in engines:
                 point = Point(backend, stage, args.micro_batch, args.workers)
                 spec = TrialSpec(experiment, point, precision, gpu, model, storage_path="unused")
                 for mode in MODES if rep % 2 == 0 else reversed(MODES):
                     answers = groups["old" if mode == "old" else "stock"].run(spec, mode)
                     errors = [value for status, value in answers if status == "error"]
                     ranks = [value for status, value in answers if status == "ok"]
-                    record = {"rep": rep, "backend": backend, "stage": stage, "mode": mode, "errors": errors}
+                    record = {"call": call, "rep": rep, "backend": backend, "stage": stage, "mode": mode}
+                    record["errors"] = errors
                     record["samples_per_s"] = sum(r["samples_per_s"] for r in ranks) if not errors else None
                     record["ranks"] = ranks
                     log.write(json.dumps(record) + "\n")
                     log.flush()
-                    if not errors:
-                        runs.append(record)
                     print(
                         rep,
                         engine_name(backend, stage),
@@ -232,13 +244,16 @@ def main() -> None:
                     )
     for group in groups.values():
         group.stop()
-    command = "python bench/counting_bench.py " + " ".join(sys.argv[1:])
+    with open(out / "commands.txt", "a") as commands:  # every call that added runs to OUT
+        commands.write("python bench/counting_bench.py " + " ".join(sys.argv[1:]) + "\n")
+    called = "; ".join(f"`{line}`" for line in (out / "commands.txt").read_text().splitlines())
     header = (
         f"{environment(gpu)}; {model.description}, micro-batch {args.micro_batch}, {args.workers} "
         f"rank(s), {precision}, {experiment.steps} steps ({experiment.warmup_steps} warm-up), {args.reps} "
-        f"runs per engine and mode. Command: `{command}`"
+        f"runs per engine and mode. Commands: {called}"
     )
-    text = table(runs, header)
+    runs = [json.loads(line) for line in open(out / "runs.jsonl")]
+    text = table([r for r in runs if not r["errors"]], header)
     (out / "table.md").write_text(text + "\n")
     print(text)
 
