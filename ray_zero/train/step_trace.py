@@ -168,7 +168,7 @@ class StorageTracker(TorchDispatchMode):
         return answer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.meta and func is torch.ops.aten._local_scalar_dense.default:
+        if self.meta and func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
             return self._answer(args[0])
         if self.meta and func is torch.ops.aten._grouped_mm.default:
             out = _grouped_mm_meta(*args, **(kwargs or {}))
