@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     parser.add_argument("--other", type=Path, required=True, help="another checkout of ray_zero")
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/rerender"))
     args = parser.parse_args(argv)
-    folders = sorted({p.parent for r in ("results", "bench/results") for p in (ROOT / r).rglob("trials.jsonl")})
+    roots = ("results", "bench/results")
+    folders = sorted({p.parent for r in roots for p in (ROOT / r).rglob("trials.jsonl")})
     failing = 0
     for folder in folders:
         old, new = (render(folder, checkout, args.scratch) for checkout in (args.other.resolve(), ROOT))
