@@ -1,15 +1,15 @@
-"""One training step (forward, loss, backward) traced on the meta device, every tensor's allocation and
-free followed: what one micro-batch adds to a rank's memory, before anything runs.
+"""One training step (forward, loss, backward) traced on the meta device, every tensor's allocation and free
+followed: what one micro-batch adds to a rank's memory, before anything runs.
 
 The model is built on meta (no memory, no arithmetic) in the form the point's engine trains it
 (`module_form`): DeepSpeed casts it to fp16/bf16; FSDP2 computes in fp16/bf16 with its norms' statistics
-in fp32; PyTorch DDP (torch_zero) keeps fp32 parameters under autocast; fp32 is fp32. A
-TorchDispatchMode (`StorageTracker`, ray_zero/train/storage_tracker.py) sees every operator autograd runs, forward and backward, and counts
-each new storage (rounded up to the CUDA caching allocator's 512-byte blocks) from its creation until
-Python's last reference to it goes. The kernels a GPU would pick where meta takes another path come from
-ray_zero/train/cuda_kernels.py (fused attention, autocast); dropout's mask is counted at CUDA's 1 byte an
-element. Parameters, buffers and the batch exist before the step and are not counted; the gradients are
-followed apart, because each engine keeps them its own way (`StepTrace.rise`).
+in fp32; PyTorch DDP (torch_zero) keeps fp32 parameters under autocast; fp32 is fp32. A TorchDispatchMode
+(`StorageTracker`, ray_zero/train/storage_tracker.py) sees every operator autograd runs, forward and
+backward, and counts each new storage (rounded up to the CUDA caching allocator's 512-byte blocks) from
+its creation until Python's last reference to it goes. The kernels a GPU would pick where meta takes
+another path come from ray_zero/train/cuda_kernels.py (fused attention, autocast); dropout's mask is
+counted at CUDA's 1 byte an element. Parameters, buffers and the batch exist before the step and are not
+counted; the gradients are followed apart, because each engine keeps them its own way (`StepTrace.rise`).
 
 A model whose step needs a value the meta device cannot give (`.item()` on data, an output whose shape
 depends on the data) cannot be traced: `TraceError`, one line, and the caller falls back to calibration.
