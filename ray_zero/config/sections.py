@@ -198,6 +198,19 @@ class Runtime(StrictModel):
     (defaults to the output folder). Must be reachable from every node on a multi-node cluster."""
     live_metrics_every: int = Field(default=5, gt=0)
     """Update the dashboard gauges (and the timed windows' rates) every this many steps."""
+    refresh_s: float = Field(default=30.0, ge=0)
+    """During a sweep, redraw the tables, plots and report.html (and the storage path's copy) at most every
+    this many seconds, in a thread beside the trials; always once at the end. 0: after every row."""
+    loggers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(default_factory=list)
+    """Ray Tune's logger callbacks that get every row, flat: tensorboard (event files in each trial's Tune
+    folder), mlflow (a run per trial, in MLFLOW_TRACKING_URI or a file store in the output folder's
+    mlruns/), wandb (a run per trial in WANDB_PROJECT or the experiment's name; WANDB_MODE=offline keeps
+    it on disk). Each needs its package: pip install 'ray_zero[mlflow]' or 'ray_zero[wandb]'."""
+
+    @field_validator("loggers", mode="before")
+    @classmethod
+    def _one_or_several(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
     @field_validator("trial_timeout_s", mode="before")
     @classmethod

@@ -97,7 +97,9 @@ def run_fit(
                 None,
                 pages=False,
                 on_row=CalibrationWriter(session, len(calibration_probes(searches[0]))),
+                refresh_s=session.experiment.runtime.refresh_s,
             )
+            session.recorders.append(recorder)
             run_searches(session, searches, recorder)
         frame = session.finish(pages=False)  # write_fit draws the pages, with the fit's section
         rows = load_trials(session.output_dir)

@@ -1,9 +1,11 @@
-"""Each finished trial (or fit's probe) recorded as it comes: trials.jsonl, the tables and page rewritten,
-the copy on the storage path, its line and the progress on the console."""
+"""Each finished trial (or fit's probe) recorded as it comes: its row appended to trials.jsonl, its line
+and the progress on the console; the tables, pages and the storage path's copy redrawn at most every
+runtime.refresh_s seconds, never per row."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -55,23 +57,29 @@ def trial_summary(row: dict[str, Any]) -> str:
 
 
 class Recorder:
-    """Records finished trials in the output folder: trials.jsonl, the tables, (with `pages`) the plots
-    and report.html, the copy on the storage path, a line and the progress on the console. It keeps no
-    rows of its own (everything lives in trials.jsonl)."""
+    """Records finished trials in the output folder: each row appended to trials.jsonl as it comes, with a
+    line and the progress on the console; the tables, (with `pages`) the plots and report.html, and the
+    copy on the storage path drawn from trials.jsonl at most every `refresh_s` seconds, in a thread of
+    their own, and once more at the sweep's end (Session.finish). A row's own work stays the same however
+    many rows came before it."""
 
-    pages = True
-    """Plots and report.html after every row (a fit, whose probes come seconds apart while its ranks need
-    the CPU, draws them once at its end)."""
+    def __init__(
+        self,
+        output_dir: Path,
+        storage: str,
+        total: Optional[int],
+        on_row=None,
+        pages: bool = True,
+        refresh_s: float = 30.0,
+    ):
+        self.output_dir, self.storage, self.total, self.on_row = output_dir, storage, total, on_row
+        self.pages, self.refresh_s = pages, refresh_s
+        self.started = self.drawn_at = time.time()
+        self.finished = len(load_trials(output_dir))  # a resumed sweep's rows, read once
+        self._drawing: Optional[threading.Thread] = None
 
-    def __init__(self, output_dir: Path, storage: str, total: Optional[int], on_row=None, pages: bool = True):
-        self.output_dir, self.storage, self.total, self.on_row, self.pages = (
-            output_dir,
-            storage,
-            total,
-            on_row,
-            pages,
-        )
-        self.started = time.time()
+    def __getstate__(self) -> dict:  # Tune pickles its callbacks with the sweep's state: no thread
+        return {**self.__dict__, "_drawing": None}
 
     def record(self, row: dict[str, Any], running: int) -> None:
         row = finish_row(row)
@@ -79,11 +87,25 @@ class Recorder:
             row["stacks"] = write_stacks(self.output_dir, row["trial"], row["stacks"])
         row["recorded_at"] = time.time()  # when the sweep had it: what each trial adds to a sweep (bench/)
         append_trial(self.output_dir, row)
+        self.finished += 1
+        if self.on_row is not None:
+            self.on_row(row)
+        of = f"/{self.total}" if self.total else ""
+        log.info(trial_summary(row))
+        elapsed = time.time() - self.started
+        log.info(f"{self.finished}{of} trials finished, {running} running, {elapsed:.0f} s")
+        last = self.total is not None and self.finished >= self.total  # the session's finish draws it
+        due = time.time() - self.drawn_at >= self.refresh_s
+        if due and not last and (self._drawing is None or not self._drawing.is_alive()):
+            self.drawn_at = time.time()
+            self._drawing = threading.Thread(target=self.draw, name="ray_zero tables", daemon=True)
+            self._drawing.start()
+
+    def draw(self) -> None:
+        """The tables (and pages) from trials.jsonl as it is, copied to the storage path."""
         frame = write_results(self.output_dir, load_trials(self.output_dir), read_provenance(self.output_dir))
-        # The sweep's last row: the session's finish draws the pages once more anyway (run/session.py).
-        last = self.total is not None and len(frame) >= self.total
         try:
-            if self.pages and not last:
+            if self.pages:
                 write_pages(self.output_dir, frame)
         except Exception as error:  # the tables are written; a figure must not end the sweep
             log.warning(
@@ -91,11 +113,11 @@ class Recorder:
                 f"`python -m ray_zero report {self.output_dir}` draws them later"
             )
         publish(self.output_dir, self.storage)
-        if self.on_row is not None:
-            self.on_row(row)
-        of = f"/{self.total}" if self.total else ""
-        log.info(trial_summary(row))
-        log.info(f"{len(frame)}{of} trials finished, {running} running, {time.time() - self.started:.0f} s")
+
+    def wait(self) -> None:
+        """Until a drawing under way is done (the session's last drawing comes after it)."""
+        if self._drawing is not None:
+            self._drawing.join()
 
 
 class ResultsWriter(Recorder, tune.Callback):

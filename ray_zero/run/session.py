@@ -25,7 +25,8 @@ from ray_zero.config import ConfigError, Experiment, Point, TrialSpec
 from ray_zero.console import log
 from ray_zero.measure.calibration import read_calibration
 from ray_zero.rows import finish_row, skipped_row
-from ray_zero.run.cluster import joined_cluster, start_ray
+from ray_zero.run.cluster import NODE_ID_LABEL, head_node_id, joined_cluster, start_ray, stop_ray
+from ray_zero.run.loggers import caller_state_kept, logger_callbacks
 from ray_zero.run.plan import Cluster, Plan, check_model_fits, local_cluster, plan_sweep
 from ray_zero.run.trial import run_trial
 from ray_zero.run.trial_log import trial_log
@@ -41,7 +42,22 @@ from ray_zero.store import (
 )
 
 DRIVER_MEMORY_BYTES = 256 * 1024**2
-HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray's, on the head node only
+QUIET_TUNE = {"RAY_AIR_NEW_OUTPUT": "0"}
+"""Ray Tune's documented switch to its legacy console output, silent at verbose=0 (the new engine still
+prints a table at a run's start and end). Read once, as Tuner.fit starts: set for fit's span only."""
+
+
+class _QuietTuner(tune.Tuner):
+    """A Tuner whose fit() prints nothing of Tune's own, gives its loggers the environment they need
+    (`fit_env`) for its span, and leaves this process's environment, and MLflow's URIs, as it found them."""
+
+    fit_env: dict[str, str] = {}
+
+    def fit(self):
+        env = {**QUIET_TUNE, **self.fit_env}
+        with caller_state_kept(*env):
+            os.environ.update(env)
+            return super().fit()
 
 
 def check_output_dir(output_dir: Path, resume: bool = False) -> None:
@@ -130,6 +146,8 @@ class Session:
         self.experiment, self.model, self.resume = experiment.with_absolute_paths(), model, resume
         self.diagnostics, self.address, self.verbose = diagnostics, address, verbose
         self.fits_checked = fits_checked
+        self.recorders: list = []
+        """The recorders of this session's Tuners and searches (their drawing ends before finish's)."""
 
     def __enter__(self) -> "Session":
         if self.resume and repair_trials(self.output_dir):
@@ -200,8 +218,7 @@ class Session:
         self._write_experiment()
 
     def __exit__(self, *exc) -> None:
-        if not self.joined:
-            ray.shutdown()
+        stop_ray(shutdown=not self.joined)
 
     def spec(self, point: Point, experiment: Optional[Experiment] = None) -> TrialSpec:
         from ray_zero.train.grid_trace import trace_key
@@ -242,19 +259,29 @@ class Session:
         """A Tuner of `run_trial` over param_space (a grid) or search_alg (a search)."""
         from ray_zero.run.recorder import ResultsWriter  # with the tables (see __enter__)
 
-        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # with verbose=0: no Tune tables on the terminal
         # The trial is a driver only (the work is in its Train workers): it reserves no CPU, so a 2-CPU
         # machine can still run a 2-worker trial. Tune needs some resource in the request: a little memory.
-        # On the head node (Ray's own `node:__internal_head__`), as Ray Train's placement-group cleaner: a
-        # driver on a worker node died with it, with the trial's Train controller, and a worker group's
-        # placement group still pending then was never removed: it held the node's CPUs once the node came
-        # back, and the sweep waited for them (bench/chaos.md).
-        trainable = tune.with_resources(
-            run_trial, {"cpu": 0, "memory": DRIVER_MEMORY_BYTES, HEAD_NODE_RESOURCE: 0.001}
+        # On the head node (its id found through public API, placed by Ray's node-id label), as Ray Train's
+        # placement-group cleaner: a driver on a worker node died with it, with the trial's Train
+        # controller, and a worker group's placement group still pending then was never removed: it held
+        # the node's CPUs once the node came back, and the sweep waited for them (bench/chaos.md).
+        on_head = tune.PlacementGroupFactory(
+            [{"memory": DRIVER_MEMORY_BYTES}], bundle_label_selector=[{NODE_ID_LABEL: head_node_id()}]
         )
+        trainable = tune.with_resources(run_trial, on_head)
         param_space = {**param_space, "log_name": self.log_name} if search_alg is None else {}
-        callbacks = [ResultsWriter(self.output_dir, self.storage, total, on_row)]
-        return tune.Tuner(
+        loggers, logger_env = logger_callbacks(
+            list(self.experiment.runtime.loggers),
+            self.experiment.name,
+            self.output_dir,
+            f"{self.storage}/{tune_name}",
+        )
+        writer = ResultsWriter(
+            self.output_dir, self.storage, total, on_row, refresh_s=self.experiment.runtime.refresh_s
+        )
+        self.recorders.append(writer)
+        callbacks = [writer, *loggers]
+        tuner = _QuietTuner(
             trainable,
             param_space=param_space,
             tune_config=tune.TuneConfig(
@@ -273,12 +300,16 @@ class Session:
                 name=tune_name, storage_path=self.storage, callbacks=callbacks, verbose=0
             ),
         )
+        tuner.fit_env = logger_env
+        return tuner
 
     def finish(self, pages: bool = True):
         """The tables (and pages) once more, each row as recorded with its prediction, copied to the
         storage path; the table (a DataFrame)."""
         from ray_zero.report.tables import write_pages, write_results
 
+        for recorder in self.recorders:  # a drawing under way ends before the last one
+            recorder.wait()
         rows = [finish_row(row) for row in load_trials(self.output_dir)]
         frame = write_results(self.output_dir, rows, self.provenance)
         if pages:

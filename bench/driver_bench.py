@@ -1,0 +1,88 @@
+"""Does a sweep's driver work per trial stay flat as trials accumulate? (issue 53, part 3)
+
+A CPU sweep of many trials of a tiny factory model (examples/my_model.py, 2 steps each) through
+`ray_zero.sweep`, in this process, with the recorder's `record` (what Tune's callback runs for each
+finished trial, in the driver) timed row by row. Reports the median time of the first and the last 50
+rows, and whether the pages at the end equal what `report DIR` draws of the folder. `--checkout DIR` runs
+another checkout's ray_zero the same way (its recorder redrew every table and page after every row).
+
+    nice python bench/driver_bench.py --trials 300 --output /tmp/driver-new
+    nice python bench/driver_bench.py --trials 300 --output /tmp/driver-old --checkout /tmp/old
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=300)
+    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--checkout", type=Path, default=ROOT, help="the ray_zero checkout to run")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(args.checkout.resolve()))
+    import ray_zero
+    from ray_zero.run import recorder
+
+    spent: list[tuple[str, float]] = []
+    original = recorder.Recorder.record
+
+    def timed(self, row, running):
+        started = time.perf_counter()
+        original(self, row, running)
+        spent.append((row["trial"], time.perf_counter() - started))
+
+    recorder.Recorder.record = timed
+    sizes = list(range(1, args.trials + 1))
+    experiment = {
+        "name": "driver_bench",
+        "model": str(ROOT / "examples" / "my_model.py") + ":build",
+        "model_config": {"features": 8, "width": 16, "depth": 1},
+        "device": "cpu",
+        "precision": "fp32",
+        "steps": 2,
+        "warmup_steps": 1,
+        "calibrate": False,
+        "grid": {"backend": ["deepspeed"], "stage": [0], "micro_batch_size": sizes, "num_workers": [1]},
+        "runtime": {"max_concurrent_trials": 2},
+    }
+    if args.output.exists():
+        shutil.rmtree(args.output)
+    started = time.time()
+    ray_zero.log_to_console()
+    results = ray_zero.sweep(experiment, output=args.output, command="python bench/driver_bench.py")
+    wall = time.time() - started
+    record = [s for _, s in spent]
+    first, last = statistics.median(record[:50]), statistics.median(record[-50:])
+    sweep_page = (args.output / "report.html").read_bytes()
+    from ray_zero.report.tables import rerender
+
+    rerender(args.output)
+    same = sweep_page == (args.output / "report.html").read_bytes()
+    summary = {
+        "checkout": str(args.checkout),
+        "trials": len(record),
+        "ok": int((results.table["status"] == "ok").sum()),
+        "wall_s": wall,
+        "record_first50_median_s": first,
+        "record_last50_median_s": last,
+        "last_over_first": last / first,
+        "record_total_s": sum(record),
+        "pages_equal_report": same,
+    }
+    (args.output / "driver_bench.json").write_text(json.dumps({**summary, "record_s": spent}, indent=1))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
