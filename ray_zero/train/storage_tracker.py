@@ -79,9 +79,10 @@ class StorageTracker(TorchDispatchMode):
         (Transformers' test for packed sequences, and input checks); any other value cannot be traced."""
         answer = self.checks.get(tensor.untyped_storage()._cdata)
         if answer is None:
+            made = self.made_by.get(self.sizes.get(tensor.untyped_storage()._cdata, (None,))[0], "")
             raise TraceError(
-                "its training step reads a value of its data (Tensor.item() on a value the meta device "
-                "cannot know)"
+                "its training step reads a value of its data (Tensor.item() of "
+                f"{made or 'a tensor'} on the meta device, which cannot know it)"
             )
         return answer
 
