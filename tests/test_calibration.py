@@ -163,3 +163,36 @@ def test_a_small_end_above_the_line_does_not_tilt_the_slope():
     [shifted] = calibration.fit_lines(_rows({2: 2058483712, 4: 3443059200, 6: 3524082688}), True)
     assert shifted["bytes_per_sample"] == shifted["least_squares_bytes_per_sample"]
     assert shifted["verdict"].startswith("doubtful: not linear")
+
+
+def test_calibrate_auto_measures_only_what_could_not_be_traced():
+    experiment = experiment_of(
+        "experiments/tiny_models_cpu.yaml", "grid.backend=[deepspeed,fsdp]", "grid.stage=[1,3]"
+    )
+    untraced = {("fsdp", False)}
+    assert calibration.engines_to_calibrate(experiment, True, untraced) == untraced
+    assert calibration.engines_to_calibrate(experiment, True, set()) == set()
+    assert calibration.engines_to_calibrate(experiment, False, untraced) == set()  # CPU: no peak predicted
+    everything = {("deepspeed", False), ("fsdp", False)}
+    checked = experiment.model_copy(update={"calibrate": True})
+    assert calibration.engines_to_calibrate(checked, False, set()) == everything  # a check beside the trace
+    assert (
+        calibration.engines_to_calibrate(experiment.model_copy(update={"calibrate": False}), True, untraced)
+        == set()
+    )
+    points = calibration.calibration_points(experiment, None, "bf16", True, untraced)
+    assert {p.backend for p in points} == {"fsdp"} and len(points) == calibration.SIZES
+
+
+def test_a_traced_row_keeps_its_traced_term_and_shows_the_calibrated_one_beside_it():
+    from ray_zero.rows import prediction_fields
+
+    row = {**_row_of(), "traced_activation_bytes": 100 * MIB}
+    written = {"by_backend": {"deepspeed": {"plain": 3 * MIB}}, "fits": []}
+    fields = prediction_fields(row, written)
+    assert fields["activation_source"] == "traced"
+    assert fields["predicted_activation_gib"] == pytest.approx(100 * MIB / 2**30)
+    assert fields["calibrated_activation_gib"] == pytest.approx(30 * MIB / 2**30)
+    assert fields["predicted_peak_calibrated_gib"] < fields["predicted_peak_gib"]
+    untraced = prediction_fields({**_row_of(), "trace_note": "reads a value of its data"}, written)
+    assert untraced["activation_source"] == "calibrated" and "calibrated_activation_gib" not in untraced
