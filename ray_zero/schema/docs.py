@@ -10,10 +10,11 @@ from ray_zero.schema.trial_columns import TRIAL
 INTRO = """# The tables, column by column
 
 Made from ray_zero's column registry (`ray_zero/schema/`; `python -m ray_zero columns` prints this page).
-A sweep's folder holds three tiers of tables, rewritten atomically after every finished trial:
-`results.csv` (one row per trial), `per_rank.csv` (one row per rank of each trial), and, only with
-`--diagnostics`, `diagnostics.csv`. `results.md` is the results table in Markdown with its provenance
-(hardware, versions, date, command) and the columns a reader compares; `report.html` shows more of them.
+A sweep's folder holds three tiers of tables, rewritten atomically from trials.jsonl at most every
+`runtime.refresh_s` seconds and at the sweep's end: `results.csv` (one row per trial), `per_rank.csv`
+(one row per rank of each trial), and, only with `--diagnostics`, `diagnostics.csv`. `results.md` is the
+results table in Markdown with its provenance (hardware, versions, date, command) and the columns a reader
+compares; `report.html` shows more of them.
 `trials.jsonl` is the record every table is rebuilt from (`python -m ray_zero report DIR`): each line one
 trial's row, every rank's report inside it, checked against this registry when it is written. Units are
 in the names too: `_gib` GiB (2^30 bytes), `_bytes`, `_s` seconds; `_at`, `_from`, `_until` are seconds
