@@ -177,10 +177,11 @@ def _prepare(experiment, overrides, output, resume, address) -> tuple[Experiment
             raise ConfigError("give an experiment, e.g. experiments/quick.yaml")
         loaded = experiment_of(experiment, overrides)
         output = Path(output) if output else Path("runs") / f"{loaded.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
-    from ray_zero.run.stack import check_stack  # installed versions only: no Ray, torch or DeepSpeed
+    from ray_zero.run.stack import check_stack, environment_kept  # no Ray, torch or DeepSpeed
 
     check_stack(loaded)
-    model = describe(loaded, address)
+    with environment_kept():  # the caller's process as found (ray_zero/run/cluster.py: the rest)
+        model = describe(loaded, address)
     _use_cluster_token(address)
     return loaded, output, model
 

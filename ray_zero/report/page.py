@@ -92,8 +92,17 @@ def render_html(output_dir: Path) -> str:
         sections=sections,
         memory_note=memory_note(sweep.frame).replace("`", ""),
         trials=len(sweep.frame),
+        loggers=_loggers(sweep.folder),
     )
     return page
+
+
+def _loggers(folder: Path) -> dict:
+    """Where runtime.loggers wrote (loggers.json, ray_zero/run/loggers.py), for the page's links."""
+    import json
+
+    path = Path(folder) / "loggers.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def write_html_report(output_dir: Path) -> Path:

@@ -38,6 +38,7 @@ from ray_zero.run.watchdog import (
     trial_bound_s,
     unplaceable,
     watch,
+    worker_runtime_env,
 )
 from ray_zero.schema import rank_report
 from ray_zero.store import join_storage
@@ -137,29 +138,51 @@ def failure_fields(error: BaseException) -> dict[str, Any]:
     return failed_row_fields(failures or {None: error})
 
 
-def train_environment(private_ray: bool) -> None:
-    """Settings Ray Train reads from the driver's environment, before its first TorchTrainer
-    (`private_ray`: a Ray that ray_zero started on this machine)."""
-    # Read by Ray Train in this process and passed on to its controller. The controller polls its workers
-    # every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default): a finished trial waited up to 2 s to be
-    # noticed.
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
-    # A trial started early (overlap_startup) waits for the running trial's GPUs: Train's 60 s limit on that
-    # wait would end in a retry, with a warning, every minute of a long trial.
-    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", str(24 * 3600))
-    # Ray Train moves each worker into a new folder per run; the kernels cuDNN compiles at run time are
-    # reused by a later process only from the same working directory (about 1 s a trial on the H200).
-    os.environ.setdefault("RAY_CHDIR_TO_TRIAL_DIR", "0")
+def ray_train_settings(private_ray: bool) -> dict[str, str]:
+    """What Ray Train reads from its driver's environment (a trial's driver; `private_ray`: a Ray that
+    ray_zero started on this machine). Ray Train passes them on to its controller and workers."""
+    settings = {
+        # The controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by default): a
+        # finished trial waited up to 2 s to be noticed.
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
+        # A trial started early (overlap_startup) waits for the running trial's GPUs: Train's 60 s limit
+        # on that wait would end in a retry, with a warning, every minute of a long trial. Once the
+        # workers exist, the trial's own bound covers their start (ray_zero/run/watchdog.py).
+        "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": str(24 * 3600),
+        # Ray Train moves each worker into a new folder per run; the kernels cuDNN compiles at run time
+        # are reused by a later process only from the same working directory (about 1 s a trial, H200).
+        "RAY_CHDIR_TO_TRIAL_DIR": "0",
+    }
     if private_ray:
         # Ray Train watches every run's nodes for preemption from an actor of its own: a process more per
         # trial, for nodes that cannot be preempted on a private Ray.
-        os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+        settings["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] = "0"
+    return settings
+
+
+def train_environment(private_ray: bool) -> bool:
+    """Ray Train's settings (`ray_train_settings`, the user's own values kept) in this process's
+    environment, where it is a trial's driver: an actor of the sweep's, the process that builds the
+    TorchTrainer, never the caller's process (where it does nothing: False)."""
+    if ray.get_runtime_context().get_actor_id() is None:
+        return False
+    for name, value in ray_train_settings(private_ray).items():
+        os.environ.setdefault(name, value)
+    return True
 
 
 def torch_trainer(
-    loop, loop_config: dict[str, Any], spec: TrialSpec, name: str, log, log_key: str, max_failures: int
+    loop,
+    loop_config: dict[str, Any],
+    spec: TrialSpec,
+    name: str,
+    log,
+    log_key: str,
+    max_failures: int,
+    log_name: str | None = None,
 ) -> TorchTrainer:
-    """The TorchTrainer of one run: the point's workers, every rank's reports to the trial log."""
+    """The TorchTrainer of one run: the point's workers, every rank's reports to the trial log (`log`, the
+    actor named `log_name`: with it, each worker process is in the log from its start)."""
     experiment, point = spec.experiment, spec.point
     # A share of a GPU under 1: the trial starts beside others on one GPU (ray_zero/run/gpu_sharing.py).
     gpus = {"GPU": spec.gpu_share} if spec.use_gpu else {}
@@ -186,6 +209,7 @@ def torch_trainer(
             failure_config=FailureConfig(max_failures=max_failures, controller_failure_limit=max_failures),
             callbacks=[AllRanksCallback(log, log_key)],
             logging_config=LoggingConfig(log_level="WARNING"),
+            worker_runtime_env=worker_runtime_env(log_name, log_key) if log_name else None,
         ),  # its per-report lines stay in the logs
     )
 
@@ -213,6 +237,7 @@ def run_trial(config: dict[str, Any]) -> None:
             log,
             trial_key,
             spec.experiment.runtime.max_failures,
+            config["log_name"],
         )
         outcome: dict[str, Any] = {}
         fit = threading.Thread(target=_fit, args=(trainer, outcome), name=spec.name, daemon=True)

@@ -21,7 +21,21 @@ class TrialLog:
         self._starts: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self._reports: dict[str, list[list[dict]]] = defaultdict(list)
         self._ranks: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
+        self._processes: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
         self._stopped: set[str] = set()
+
+    def process_started(self, trial: str, node_id: str, pid: int) -> None:
+        """A worker process of the trial started (Ray Train gives it a rank later): the trial's bound counts
+        from here, and a process that never reaches its training function is stopped like a rank."""
+        now = time.time()
+        self._processes[trial][pid] = {
+            "node_id": node_id,
+            "pid": pid,
+            "started_at": now,
+            "phase": "worker started, before its training function",
+            "phase_since": now,
+            "waited_s": 0.0,
+        }
 
     def started(self, trial: str, rank: int, node_id: Optional[str] = None, pid: Optional[int] = None) -> int:
         """A rank began (its attempt number): where it runs, and since when."""
@@ -47,16 +61,26 @@ class TrialLog:
         mine.update(phase=phase, phase_since=now)
 
     def progress(self, trial: str) -> Optional[dict[str, Any]]:
-        """The trial's own time so far (since its first rank began, less rank 0's waits for the GPU's turn),
-        each rank's phase, node and process; None before any rank began."""
-        ranks = self._ranks.get(trial)
-        if not ranks:
+        """The trial's own time so far (since its first rank began, less rank 0's waits for the GPU's turn;
+        before any rank, since its first worker process started), each rank's phase, node and process, and
+        the worker processes without a rank (by pid); None before any began."""
+        ranks, processes = self._ranks.get(trial) or {}, self._processes.get(trial) or {}
+        if not ranks and not processes:
             return None
         now = time.time()
-        first = ranks.get(0) or next(iter(ranks.values()))
-        waited = first["waited_s"] + (now - first["phase_since"] if first["phase"] == TURN_WAIT else 0.0)
-        began = min(r["started_at"] for r in ranks.values())
-        return {"own_s": now - began - waited, "ranks": {rank: dict(r) for rank, r in ranks.items()}}
+        first = ranks.get(0) or next(iter(ranks.values()), None)
+        waited = (
+            first["waited_s"] + (now - first["phase_since"] if first["phase"] == TURN_WAIT else 0.0)
+            if first
+            else 0.0
+        )
+        began = min(r["started_at"] for r in (ranks or processes).values())
+        ranked = {r["pid"] for r in ranks.values()}
+        return {
+            "own_s": now - began - waited,
+            "ranks": {rank: dict(r) for rank, r in ranks.items()},
+            "processes": {pid: dict(p) for pid, p in processes.items() if pid not in ranked},
+        }
 
     def stop(self, trial: str) -> None:
         """The trial ran past its bound: a rank that starts for it now (a retry) gives up at once."""
@@ -73,6 +97,7 @@ class TrialLog:
         starts = self._starts.pop(trial, {})
         reports = self._reports.pop(trial, [])
         self._ranks.pop(trial, None)
+        self._processes.pop(trial, None)
         self._stopped.discard(trial)
         return (reports[-1] if reports else None), max(starts.values(), default=0)
 

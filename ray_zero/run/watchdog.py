@@ -9,6 +9,14 @@ stops each rank with a task placed on its node (public Ray API): py-spy's dump o
 py-spy is installed, else the stack faulthandler writes when the rank gets SIGUSR1 (a stopped process is
 continued first), then SIGKILL. Ray Train sees its workers die; a retry it starts gives up at once (the
 trial log says the trial was stopped).
+
+The worker group's start is bounded too: each Train worker process of the trial runs
+`worker_setup_hook`'s function when it starts (Ray's `worker_process_setup_hook`, named by the sweep's job:
+ray_zero/run/cluster.py; the trial named in the runtime environment Ray Train gives its workers), which
+puts the process in the trial log, with its stacks on SIGUSR1, before Ray Train gives it a rank. A
+process that never reaches its training function (its process group never forms, it hangs in an import,
+it was stopped) is then stopped like a rank. The wait for the workers' resources (a trial started early
+waits for another's GPUs) is not counted: no process of the trial exists yet.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ PESSIMISTIC_FLOPS = {"gpu": 20e12, "cpu": 5e9}
 BOUND_FACTOR = 4.0
 STACK_SIGNAL = signal.SIGUSR1
 POLL_S = 1.0
+TRIAL_KEY_VAR, TRIAL_LOG_VAR = "RAY_ZERO_TRIAL_KEY", "RAY_ZERO_TRIAL_LOG"
+"""In a trial's Train workers' environment: the trial log's key and the log actor's name."""
 
 
 def trial_bound_s(spec) -> Optional[float]:
@@ -50,12 +60,69 @@ def trial_bound_s(spec) -> Optional[float]:
     return max(BOUND_FLOOR_S, BOUND_FACTOR * samples * spec.model.flops_per_sample / rate)
 
 
-def stack_file(log_key: str, rank: int) -> Path:
-    """Where a rank's faulthandler writes its stacks on SIGUSR1: its node's temporary folder."""
+def stack_file(log_key: str, rank) -> Path:
+    """Where a rank's faulthandler writes its stacks on SIGUSR1: its node's temporary folder (`rank`: the
+    rank, or `_pidN` for a worker process without one)."""
     return Path(tempfile.gettempdir()) / "ray_zero-stacks" / f"{log_key}-rank{rank}.txt"
 
 
-def keep_stacks_on_signal(log_key: str, rank: int):
+def worker_runtime_env(log_name: str, log_key: str) -> dict[str, Any]:
+    """The runtime environment of a trial's Train workers: the trial and its log named, for the job's
+    setup hook (`worker_setup_hook`, ray_zero/run/cluster.py's JOB_ENV)."""
+    return {"env_vars": {TRIAL_KEY_VAR: log_key, TRIAL_LOG_VAR: log_name}}
+
+
+def worker_setup_hook():
+    """Ray's worker_process_setup_hook for the sweep's job (ray_zero/run/cluster.py): at a trial's Train
+    worker process's start (its runtime environment names the trial), its stacks on SIGUSR1, then, from a
+    thread once the process runs its actor (Ray 2.60 cannot submit a task from the hook itself: its core
+    worker aborts), the process in the trial log, and a `.started` file beside its stack file. A
+    function made here and sent by value: it imports nothing of ray_zero (a worker runs the hook before it
+    can find a checkout's modules). Never raises: a worker starts whatever the log says."""
+    key_var, log_var = TRIAL_KEY_VAR, TRIAL_LOG_VAR
+
+    def worker_process_started() -> None:
+        import faulthandler
+        import os
+        import signal
+        import tempfile
+        import threading
+        import time
+        from pathlib import Path
+
+        import ray
+
+        key, name = os.environ.get(key_var), os.environ.get(log_var)
+        if not key or not name:
+            return
+        pid = os.getpid()
+        stacks = Path(tempfile.gettempdir()) / "ray_zero-stacks" / f"{key}-rank_pid{pid}.txt"  # stack_file's
+        try:
+            stacks.parent.mkdir(parents=True, exist_ok=True)
+            faulthandler.register(
+                signal.SIGUSR1, file=open(stacks, "w"), all_threads=True
+            )  # it keeps the file
+        except OSError:
+            return
+
+        def register() -> None:
+            try:
+                context = ray.get_runtime_context()
+                deadline = time.time() + 300
+                while context.get_actor_id() is None and time.time() < deadline:
+                    time.sleep(0.02)
+                log = ray.get_actor(name)
+                ray.get(log.process_started.remote(key, context.get_node_id(), pid), timeout=60)
+                stacks.with_suffix(".started").touch()
+            except Exception:  # noqa: BLE001  the log gone or slow: the rank's own start still registers it
+                pass
+
+        threading.Thread(target=register, name="ray_zero trial log", daemon=True).start()
+
+    return worker_process_started
+
+
+def keep_stacks_on_signal(log_key: str, rank):
     """In the rank's process: all threads' stacks to its stack file on SIGUSR1 (returns the open file,
     which must stay open)."""
     path = stack_file(log_key, rank)
@@ -100,12 +167,19 @@ def _kill(pid: int) -> None:
         pass
 
 
+def _targets(progress: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The trial's ranks by rank, and its worker processes without a rank as `_pidN`."""
+    ranks = {str(rank): r for rank, r in progress["ranks"].items() if r.get("pid")}
+    return {**ranks, **{f"_pid{pid}": p for pid, p in progress.get("processes", {}).items()}}
+
+
 def stop_ranks(progress: dict[str, Any], log_key: str) -> dict[str, str]:
-    """Each rank's stacks, by rank (a task on each rank's node), then every rank killed: no rank is
-    killed before all stacks are in, so none is lost to a peer's death."""
+    """Each rank's stacks, by rank (a task on each rank's node; `_pidN` for a worker process that had no
+    rank yet), then every one killed: none is killed before all stacks are in, so none is lost to a
+    peer's death."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    ranks = {rank: r for rank, r in progress["ranks"].items() if r.get("pid")}
+    ranks = _targets(progress)
 
     def on_node(function, rank):
         strategy = NodeAffinitySchedulingStrategy(ranks[rank]["node_id"], soft=True)
@@ -118,9 +192,9 @@ def stop_ranks(progress: dict[str, Any], log_key: str) -> dict[str, str]:
     stacks = {}
     for rank, ref in sorted(refs.items()):
         try:
-            stacks[str(rank)] = ray.get(ref, timeout=90)
+            stacks[rank] = ray.get(ref, timeout=90)
         except Exception as error:  # noqa: BLE001  its node is gone, or the task failed: say so
-            stacks[str(rank)] = f"(stacks not taken: {type(error).__name__}: {error})"
+            stacks[rank] = f"(stacks not taken: {type(error).__name__}: {error})"
     kills = [on_node(_kill, rank).remote(r["pid"]) for rank, r in ranks.items()]
     ray.wait(kills, num_returns=len(kills), timeout=60)
     return stacks
@@ -138,10 +212,12 @@ def watch(fit: threading.Thread, log, log_key: str, bound_s: Optional[float]) ->
         if progress is None or progress["own_s"] <= bound_s:
             continue
         ray.get(log.stop.remote(log_key))
+        targets = _targets(progress)
         phases = {rank: r["phase"] for rank, r in progress["ranks"].items()}
+        phases.update({who: r["phase"] for who, r in targets.items() if who.startswith("_pid")})
         timed_out = {
             "own_s": progress["own_s"],
-            "ranks_started_at": min(r["started_at"] for r in progress["ranks"].values()),
+            "ranks_started_at": min(r["started_at"] for r in (progress["ranks"] or targets).values()),
             "phases": phases,
             "stacks": stop_ranks(progress, log_key),
         }
@@ -180,8 +256,8 @@ def timeout_fields(timed_out: dict[str, Any], bound_s: float) -> dict[str, Any]:
     phases = timed_out["phases"]
     # Steps are told at most once a second: a rank last heard of at step N is at step N or later.
     where = "; ".join(
-        f"rank {rank}: {phase}{' or later' if phase.startswith('step ') else ''}"
-        for rank, phase in sorted(phases.items())
+        f"{_who(rank)}: {phase}{' or later' if phase.startswith('step ') else ''}"
+        for rank, phase in sorted(phases.items(), key=lambda item: str(item[0]))
     )
     return {
         "status": "timeout",
@@ -190,3 +266,7 @@ def timeout_fields(timed_out: dict[str, Any], bound_s: float) -> dict[str, Any]:
         "stacks": timed_out["stacks"],
         "ranks_started_at": timed_out["ranks_started_at"],
     }
+
+
+def _who(rank) -> str:
+    return f"worker pid {str(rank)[4:]} (no rank yet)" if str(rank).startswith("_pid") else f"rank {rank}"
