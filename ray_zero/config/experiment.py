@@ -83,9 +83,10 @@ class Experiment(StrictModel):
     seed: int = 0
     """Seed for weights, data order and synthetic data."""
     calibrate: Union[Literal["auto"], bool] = "auto"
-    """Measure the model's activation memory per sample in short trials before the grid (each engine of
-    the grid at its smallest stage, one worker, three micro-batches), to predict every row's peak; auto:
-    on GPU, for any model that is not a preset (the presets' activations are counted from their shapes)."""
+    """Measure the model's activation memory per sample in short trials before the grid (an engine of the
+    grid at its smallest stage, one worker, three micro-batches). auto: on GPU, only the engines whose
+    training step could not be traced on the meta device (every row is otherwise predicted from its
+    traced step); true: every engine, a check beside the traced prediction; false: none."""
     grid: Grid = Grid()
     """The engine x stage x micro-batch x workers x checkpointing x offload grid."""
     runtime: Runtime = Runtime()

@@ -1,4 +1,6 @@
-"""Activation memory for a model ray_zero has never seen, measured: a short calibration before the grid.
+"""Activation memory measured: a short calibration before the grid, for the engines whose training step
+could not be traced on the meta device (ray_zero/train/grid_trace.py), or for all of them as a check
+(`calibrate: true`).
 
 The memory model knows what each engine keeps for the model states; what one micro-batch keeps for
 backward depends on the model's code, and on the engine: DeepSpeed and FSDP2 run the module in fp16/bf16,
