@@ -383,9 +383,14 @@ def fit_folder(tmp_path: Path) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def fit(tmp_path_factory) -> Path:
+    return fit_folder(tmp_path_factory.mktemp("fit"))
+
+
 @needs_chromium
-def test_fit_page_in_chromium(tmp_path):
-    folder = fit_folder(tmp_path)
+def test_fit_page_in_chromium(fit, tmp_path):
+    folder = fit
     figures = check_page(folder, tmp_path)
     results = pd.read_csv(folder / "results.csv")
     probes = results[~results["trial"].str.endswith("_timed")]
@@ -396,6 +401,41 @@ def test_fit_page_in_chromium(tmp_path):
     assert len(marks(figures["fit-maxima"], "max")) == len(pd.read_csv(folder / "fit.csv"))
     text = (folder / "report.html").read_text()
     assert 'id="fit"' in text and "timed runs of each setting" in text
+
+
+def svg_sizes(text: str) -> dict[str, tuple[int, int]]:
+    """The size in pixels at 120 dpi (whole pixels, as matplotlib cuts them) of the first SVG the page drew
+    of each kind of figure."""
+    pattern = r'data-kind="([\w-]+)" data-drawn="yes">.*?viewBox="0 0 ([\d.]+) ([\d.]+)"'
+    sizes: dict[str, tuple[int, int]] = {}
+    for kind, width, height in (m.groups() for m in re.finditer(pattern, text, re.S)):
+        sizes.setdefault(kind, (int(float(width) * 120 / 72 + 1e-6), int(float(height) * 120 / 72 + 1e-6)))
+    return sizes
+
+
+def test_the_figure_files_are_the_pages_figures_as_png(fit):
+    """memory.png, batch.png and fit.png are the page's figures drawn as PNG (each as large as the page's SVG
+    of its kind at 120 dpi); throughput.png, which the page replaces by a sentence (one ok micro-batch, one
+    worker), is still written: the figure against workers, drawn for the file alone."""
+    from PIL import Image
+
+    from ray_zero.report.data import read_sweep
+    from ray_zero.report.page import FIGURE_FILES, PageFigures
+
+    folder = fit  # oom_probe's rows: one worker, micro-batch 4096 fits, 16384 does not
+    sizes = svg_sizes((folder / "report.html").read_text())
+    assert {p.name for p in folder.glob("*.png")} == set(FIGURE_FILES)
+    for file, kind in (
+        ("memory.png", "memory-micro_batch_size"),  # one worker count: against micro-batch size
+        ("batch.png", "memory-micro_batch_size"),
+        ("fit.png", "fit-maxima"),
+    ):
+        with Image.open(folder / file) as image:
+            assert image.size == sizes[kind], (file, kind)
+    assert not {"speed-num_workers", "speed-micro_batch_size"} & set(sizes)
+    alone = PageFigures(read_sweep(folder), png_kinds=["speed-num_workers"])
+    drawn = alone.against("num_workers", "speed", "cuda", even_one=True)
+    assert drawn.png == (folder / "throughput.png").read_bytes()
 
 
 def test_each_ok_trial_has_a_bar_of_its_step_split(tmp_path):

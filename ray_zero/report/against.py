@@ -7,15 +7,24 @@ import matplotlib.ticker
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from ray_zero.report.figures import Figure, Figures, colour_of, from_zero, legend_right
+from ray_zero.report.figures import (
+    Figure,
+    Figures,
+    colour_of,
+    cross_handle,
+    from_zero,
+    hollow_handle,
+    legend_right,
+)
 from ray_zero.report.formatting import as_number, fmt, gib_text, int_text, percent_text
 
 
 class AgainstFigures(Figures):
     """The figures against workers or micro-batch size (`against`)."""
 
-    def against(self, axis: str, what: str, kind: str) -> Figure:
-        """Memory (what="memory") or throughput (what="speed") of one memory kind against `axis`.
+    def against(self, axis: str, what: str, kind: str, even_one: bool = False) -> Figure:
+        """Memory (what="memory") or throughput (what="speed") of one memory kind against `axis`; with one
+        value of `axis` a sentence instead, unless `even_one` (a figure file that is always written).
 
         GPU memory: the measured peak (solid, filled) and the predicted (dashed, hollow), out-of-memory
         trials as × at the memory they held, the device's memory dotted. CPU memory: the resident set
@@ -48,7 +57,7 @@ class AgainstFigures(Figures):
         if plotted.empty:
             figure.skipped = f"No {device} trial finished: nothing to draw against {axis_words}."
             return figure
-        if plotted[axis].nunique() < 2:
+        if plotted[axis].nunique() < 2 and not even_one:
             only = int_text(plotted[axis].iloc[0])
             figure.only = (
                 (f"with {only} worker" + ("" if only == "1" else "s"))
@@ -180,7 +189,7 @@ class AgainstFigures(Figures):
                 top.set_xlabel("")
                 top.tick_params(labelbottom=False)
                 if not memory:
-                    bottom.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0, decimals=0))
+                    bottom.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
         from_zero([f[0] for f in facets])
         from_zero([f[1] for f in facets])
         for top, bottom, *_ in facets:
@@ -208,70 +217,28 @@ class AgainstFigures(Figures):
         """× for each out-of-memory trial, at the memory it held when it failed (else at the device's)."""
         for record in setting[setting["status"] == "oom"].to_dict("records"):
             y = as_number(record["peak_allocated_gib_max"]) or self.memory
-            if y is None:
-                continue
-            gid = f"{figure.id}--oom--{record['trial']}"
-            (line,) = ax.plot(
-                [self.shift(record[axis])],
-                [y],
-                "X",
-                color=colour,
-                markersize=9,
-                linestyle="none",
-                markeredgecolor="black",
-                markeredgewidth=0.6,
-                zorder=3,
-            )
-            line.set_gid(gid)
-            titles[gid] = f"{record['trial']}: out of memory at {gib_text(y)}"
+            if y is not None:
+                gid = f"{figure.id}--oom--{record['trial']}"
+                title = f"{record['trial']}: out of memory at {gib_text(y)}"
+                self.cross(ax, record[axis], y, gid, titles, title, colour)
 
     def _legend(self, used: list[str], memory: bool, gpu: bool, oom_shown: bool) -> list:
-        handles = [
-            Line2D([], [], color=colour_of(self.colours[label]), linewidth=6, label=label)
-            for label in self.colours
-            if label in used
-        ]
+        handles = self.setting_handles(used)
         if not memory:
             return handles
         if gpu:
             handles += [
                 Line2D([], [], color="gray", marker="o", label="measured peak"),
-                Line2D(
-                    [],
-                    [],
-                    color="gray",
-                    marker="s",
-                    markerfacecolor="white",
-                    linestyle="--",
-                    label="predicted peak",
-                ),
+                hollow_handle("s", "predicted peak"),
             ]
         else:
             handles += [
                 Line2D([], [], color="gray", marker="o", label="peak resident set (RSS), measured"),
                 Line2D([], [], color="gray", marker="^", label="model states, counted"),
-                Line2D(
-                    [],
-                    [],
-                    color="gray",
-                    marker="^",
-                    markerfacecolor="white",
-                    linestyle="--",
-                    label="model states, predicted",
-                ),
+                hollow_handle("^", "model states, predicted"),
             ]
         if oom_shown:
-            handles.append(
-                Line2D(
-                    [],
-                    [],
-                    color="gray",
-                    marker="X",
-                    linestyle="none",
-                    markeredgecolor="black",
-                    label="out of memory (memory at failure)",
-                )
-            )
+            handles.append(cross_handle("out of memory (memory at failure)"))
         if gpu and self.memory:
             handles.append(
                 Line2D([], [], color="black", linestyle=":", label=f"device memory {self.memory:.1f} GiB")

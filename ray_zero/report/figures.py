@@ -1,17 +1,15 @@
-"""The report page's figures' common ground: `Figure`, and `Figures`, the drawing every figure shares
-(SVG output, panels, axes, one colour per engine setting, the legend beside the axes).
+"""The report's figures' common ground: `Figure`, and `Figures`, the drawing every figure shares (SVG
+output, the PNG files beside it, panels, axes, one colour per engine setting, the legend beside the axes).
 
-Figures are matplotlib, written as inline SVG, not Plotly. Why: Plotly's page needs its script inlined
-to work offline, 4.8 MB (plotly.js of plotly 7.1: 4,815,765 bytes) before the first point, in every
-results folder that git keeps; the SVG page of the 8-trial memory_scaling sweep is 0.11 MB, a 50-trial
-one 0.36 MB. SVG draws without any script, prints as sharp vectors, and matplotlib already draws the
-project's PNGs. What Plotly would add is hovering and zooming; every number is in the sortable table
-instead, and each marker carries an SVG <title> (the browser shows it on hover). Each drawn marker has an
-id naming its figure, its role and its trial (`fig3--measured--stage1_mb64_w2`), so a test counts them in
-the rendered page.
+One family draws every figure: the page shows it as inline SVG (no script: it prints as sharp vectors and
+each marker carries an SVG <title>, the browser's hover text), and the figures a user attaches to a report
+(memory.png, throughput.png, batch.png, fit.png: page.FIGURE_FILES) are the same drawings as PNG. Why
+matplotlib and not Plotly: docs/design.md. Each drawn marker has an id naming its figure, its role and its
+trial (`fig3--measured--stage1_mb64_w2`), so a test counts them in the rendered page.
 
 The figures themselves: against.py (memory and throughput against workers and micro-batch size),
-breakdown.py (where the memory went) and fit_figures.py (a fit's probes and maxima).
+breakdown.py (where the memory went), fit_figures.py (a fit's probes and maxima) and step_figures.py
+(where a step's time went).
 """
 
 from __future__ import annotations
@@ -28,10 +26,13 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display on clusters or CI
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 
 from ray_zero.report.data import Sweep  # noqa: E402
 from ray_zero.report.formatting import SETTING_KEYS, int_text, setting_label  # noqa: E402
 from ray_zero.report.summary import device_memory  # noqa: E402
+
+PNG_DPI = 120
 
 
 def _settings(frame: pd.DataFrame) -> dict[str, int]:
@@ -76,6 +77,16 @@ def legend_right(fig, handles: list, left_chars: Optional[int] = None) -> None:
     )
 
 
+def cross_handle(label: str) -> Line2D:
+    """The legend's entry for the × of a failed trial."""
+    return Line2D([], [], color="gray", marker="X", linestyle="none", markeredgecolor="black", label=label)
+
+
+def hollow_handle(marker: str, label: str) -> Line2D:
+    """The legend's entry for a prediction: dashed, hollow markers."""
+    return Line2D([], [], color="gray", marker=marker, markerfacecolor="white", linestyle="--", label=label)
+
+
 @dataclass
 class Figure:
     id: str
@@ -87,14 +98,18 @@ class Figure:
     kind: str = ""
     only: str = ""
     """Skipped for want of a second x value: where every trial ran ("with 1 worker", "at micro-batch 64")."""
+    png: bytes = b""
+    """The drawing as PNG, for the kinds the figures were asked to keep (`Figures.png_kinds`)."""
 
 
 class Figures:
-    """What the page's figures share: their numbering, SVG output, panels, axes and markers (every marker
-    tagged with an id and a hover title). The figures are subclasses: page.PageFigures gathers them."""
+    """What the figures share: their numbering, SVG (and PNG) output, panels, axes and markers (every
+    marker tagged with an id and a hover title). The figures are subclasses: page.PageFigures gathers them.
+    `png_kinds`: the kinds of figure also kept as PNG (Figure.png)."""
 
-    def __init__(self, sweep: Sweep):
+    def __init__(self, sweep: Sweep, png_kinds: Iterable[str] = ()):
         self.sweep = sweep
+        self.png_kinds = set(png_kinds)
         self.count = 0
         self.colours = _settings(sweep.frame)
         self.memory, self.memory_source = device_memory(sweep)
@@ -108,6 +123,10 @@ class Figures:
         with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": figure.id, "font.size": 9}):
             buffer = io.StringIO()
             fig.savefig(buffer, format="svg", metadata={"Date": None})
+            if figure.kind in self.png_kinds:
+                raster = io.BytesIO()
+                fig.savefig(raster, format="png", dpi=PNG_DPI)
+                figure.png = raster.getvalue()
         plt.close(fig)
         text = buffer.getvalue()
         text = text[text.index("<svg") :]  # drop the XML declaration and DOCTYPE: inline in HTML
@@ -186,6 +205,8 @@ class Figures:
             ax.set_xscale("log", base=2)
         ax.set_xticks(values)
         ax.set_xticklabels([int_text(v) for v in values])
+        if len(values) == 1:  # one x (a figure file drawn for one point per setting): room either side
+            ax.set_xlim(values[0] - 0.5, values[0] + 0.5)
         ax.set_xlabel(
             "workers (data-parallel ranks)" if axis == "num_workers" else "micro-batch size per rank"
         )
@@ -233,6 +254,31 @@ class Figures:
             marker_line.set_gid(gid)
             titles[gid] = describe(record)
         return len(drawn)
+
+    def cross(self, ax, x: float, y: float, gid: str, titles: dict, title: str, colour: str) -> None:
+        """× at (x, y) for a trial that failed (out of memory: at the memory it held), tagged and titled."""
+        (line,) = ax.plot(
+            [self.shift(x)],
+            [y],
+            "X",
+            color=colour,
+            markersize=9,
+            linestyle="none",
+            markeredgecolor="black",
+            markeredgewidth=0.6,
+            zorder=3,
+        )
+        line.set_gid(gid)
+        titles[gid] = title
+
+    def setting_handles(self, used: Iterable[str]) -> list:
+        """The legend's colour per engine setting drawn, in the table's order."""
+        used = set(used)
+        return [
+            Line2D([], [], color=colour_of(self.colours[label]), linewidth=6, label=label)
+            for label in self.colours
+            if label in used
+        ]
 
     def _by_setting(self, rows: pd.DataFrame):
         labels = rows.apply(setting_label, axis=1) if len(rows) else pd.Series(dtype=str)

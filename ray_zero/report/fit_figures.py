@@ -6,7 +6,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 
-from ray_zero.report.figures import Figure, Figures, colour_of, from_zero, legend_right
+from ray_zero.report.figures import Figure, Figures, colour_of, cross_handle, from_zero, legend_right
 from ray_zero.report.formatting import (
     SETTING_KEYS,
     as_number,
@@ -70,23 +70,11 @@ class FitFigures(Figures):
                 )
                 for record in setting[setting["status"] != "ok"].to_dict("records"):
                     y = as_number(record["peak_allocated_gib_max"]) or budget
-                    if y is None:
-                        continue
-                    gid = f"{figure.id}--oom--{record['trial']}"
-                    (line,) = ax.plot(
-                        [self.shift(record["micro_batch_size"])],
-                        [y],
-                        "X",
-                        color=colour,
-                        markersize=9,
-                        markeredgecolor="black",
-                        markeredgewidth=0.6,
-                        linestyle="none",
-                    )
-                    line.set_gid(gid)
-                    titles[gid] = (
-                        f"{record['trial']}: {record['status']} ({str(record.get('error') or '')[:120]})"
-                    )
+                    if y is not None:
+                        gid = f"{figure.id}--oom--{record['trial']}"
+                        why = str(record.get("error") or "")[:120]
+                        title = f"{record['trial']}: {record['status']} ({why})"
+                        self.cross(ax, record["micro_batch_size"], y, gid, titles, title, colour)
                 found = sweep.fit[
                     (sweep.fit["num_workers"] == workers) & sweep.fit["max_micro_batch"].notna()
                 ]
@@ -116,22 +104,9 @@ class FitFigures(Figures):
             self._x_axis(ax, "micro_batch_size", group["micro_batch_size"])
         from_zero([f[0] for f in facets])
         facets[0][0].set_ylabel("peak per rank (GiB)")
-        handles = [
-            Line2D([], [], color=colour_of(self.colours[label]), linewidth=6, label=label)
-            for label in self.colours
-            if label in used
-        ]
-        handles += [
+        handles = self.setting_handles(used) + [
             Line2D([], [], color="gray", marker="o", label="probe fits"),
-            Line2D(
-                [],
-                [],
-                color="gray",
-                marker="X",
-                linestyle="none",
-                markeredgecolor="black",
-                label="probe out of memory",
-            ),
+            cross_handle("probe out of memory"),
             Line2D(
                 [], [], color="gray", marker="*", markersize=12, linestyle="none", label="largest that fits"
             ),
@@ -144,7 +119,9 @@ class FitFigures(Figures):
         figure.svg = self.svg(fig, figure, titles)
         return figure
 
-    def fit_maxima(self) -> Figure:
+    def fit_maxima(self, even_one: bool = False) -> Figure:
+        """The largest micro-batch per (setting, workers) and its samples/s; for a single one a sentence
+        instead, unless `even_one` (fit.png, always written)."""
         fit = self.sweep.fit
         figure = self.new(
             "Fit: the largest micro-batch that fits",
@@ -156,7 +133,7 @@ class FitFigures(Figures):
             "fit-maxima",
         )
         found = fit[fit["max_micro_batch"].notna()]
-        if len(found) < 2:
+        if len(found) < (1 if even_one else 2):
             figure.skipped = (
                 "One (setting, workers) point found a fitting micro-batch: the fit table says it all."
                 if len(found)

@@ -1,6 +1,6 @@
 """Values in words for the report layer: numbers read leniently from table cells, cells and sizes as text,
-and an engine setting's label ("fsdp stage 3 +ckpt"). The one home of these: the page, its figures and the
-plots all format through here."""
+and an engine setting's label ("fsdp stage 3 +ckpt"). The one home of these: the page, its tables and
+its figures all format through here."""
 
 from __future__ import annotations
 
@@ -86,16 +86,13 @@ def gib_text(value: Any, digits: int = 2) -> str:
     return f"{number * 1024:.3g} MiB" if 0 < abs(number) < 0.1 else f"{number:.{digits}f} GiB"
 
 
-def setting_label(record: dict[str, Any] | pd.Series, offload_place: bool = True) -> str:
-    """One engine setting in words: "stage 1", "fsdp stage 3 +ckpt", "stage 2 +offload cpu".
-
-    `offload_place=False` says "+offload" without where to: the PNG plots' legends, kept as committed
-    results drew them."""
+def setting_label(record: dict[str, Any] | pd.Series) -> str:
+    """One engine setting in words: "stage 1", "fsdp stage 3 +ckpt", "stage 2 +offload cpu"."""
     backend = record.get("backend") or "deepspeed"
     label = ("" if backend == "deepspeed" else f"{backend} ") + f"stage {int_text(record.get('stage'))}"
     if truthy(record.get("activation_checkpointing")):
         label += " +ckpt"
     offload = record.get("offload_optimizer")
     if present(offload) and offload != "none":
-        label += f" +offload {offload}" if offload_place else " +offload"
+        label += f" +offload {offload}"
     return label

@@ -4,8 +4,9 @@
     write_html_report(Path("results/memory_scaling-h200x2"))   # -> results/memory_scaling-h200x2/report.html
 
 The page is templates/report.html.j2 filled in with the folder's data (data.py: what it reads; summary.py:
-the header and headline) and its figures (figures.py and the modules it names). `python -m ray_zero report
-DIR` writes it again.
+the header and headline) and its figures (figures.py and the modules it names). The same drawings go beside
+it as the PNG files a user attaches to a report (FIGURE_FILES). `python -m ray_zero report DIR` writes them
+again.
 """
 
 from __future__ import annotations
@@ -28,6 +29,18 @@ from ray_zero.store import atomic_write, read_experiment_file
 TEMPLATES = Path(__file__).parent / "templates"
 
 
+FIGURE_FILES = {
+    "memory.png": ("memory-num_workers", "memory-micro_batch_size"),
+    "throughput.png": ("speed-num_workers", "speed-micro_batch_size"),
+    "batch.png": ("memory-micro_batch_size",),
+    "fit.png": ("fit-maxima",),
+}
+"""The PNG files beside the page: each the first of the page's figures of these kinds that it drew.
+memory.png and throughput.png (against workers; where one worker count ran, against micro-batch size) and
+fit.png are written whenever a trial finished (a fit found a micro-batch): drawn for the file alone where
+the page says a sentence instead (one point per setting, one maximum); batch.png where the page draws it."""
+
+
 class PageFigures(AgainstFigures, BreakdownFigures, FitFigures, StepFigures):
     """Every figure of the page, numbered in the order they are drawn."""
 
@@ -35,8 +48,13 @@ class PageFigures(AgainstFigures, BreakdownFigures, FitFigures, StepFigures):
 def render_html(output_dir: Path) -> str:
     """The page's HTML for one output folder (data.py's docstring says what it reads). The same folder
     gives the same bytes: no build time or date of its own on the page, SVG ids salted per figure."""
+    return render(output_dir)[0]
+
+
+def render(output_dir: Path) -> tuple[str, dict[str, bytes]]:
+    """The page's HTML and its figure files (FIGURE_FILES: PNG bytes by file name)."""
     sweep = read_sweep(Path(output_dir))
-    figures = PageFigures(sweep)
+    figures = PageFigures(sweep, png_kinds=[k for kinds in FIGURE_FILES.values() for k in kinds])
     sections = []
     kinds = [k for k in ("cuda", "cpu_rss") if (sweep.frame["memory_kind"].fillna("cuda") == k).any()]
     for kind in kinds:
@@ -94,7 +112,26 @@ def render_html(output_dir: Path) -> str:
         trials=len(sweep.frame),
         loggers=_loggers(sweep.folder),
     )
-    return page
+    drawn = [f for section in sections for f in section["figures"]] + fit_figures
+    return page, _figure_files(figures, drawn, kinds)
+
+
+def _figure_files(figures: PageFigures, drawn: list, memory_kinds: list[str]) -> dict[str, bytes]:
+    """FIGURE_FILES from the page's figures (GPU before CPU), the files always written drawn for themselves
+    where the page skipped theirs."""
+    sweep, files = figures.sweep, {}
+    if not (sweep.frame["status"] == "ok").any():
+        return files
+    for name, kinds in FIGURE_FILES.items():
+        png = next((f.png for kind in kinds for f in drawn if f.kind == kind and f.png), b"")
+        if not png and name == "fit.png" and sweep.fit is not None:
+            png = figures.fit_maxima(even_one=True).png
+        elif not png and name != "batch.png":
+            what = kinds[0].split("-")[0]
+            png = figures.against("num_workers", what, memory_kinds[0], even_one=True).png
+        if png:
+            files[name] = png
+    return files
 
 
 def _loggers(folder: Path) -> dict:
@@ -106,8 +143,12 @@ def _loggers(folder: Path) -> dict:
 
 
 def write_html_report(output_dir: Path) -> Path:
-    """Write OUTPUT_DIR/report.html (atomically) from the folder's tables; return its path."""
+    """Write OUTPUT_DIR/report.html (atomically) and its figure files from the folder's tables; return the
+    page's path."""
     output_dir = Path(output_dir)
     path = output_dir / REPORT_FILE
-    atomic_write(path, render_html(output_dir))
+    page, files = render(output_dir)
+    atomic_write(path, page)
+    for name, png in files.items():
+        (output_dir / name).write_bytes(png)
     return path

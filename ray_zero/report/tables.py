@@ -14,7 +14,6 @@ from ray_zero.experiment_file import validate_experiment
 from ray_zero.measure.calibration import read_calibration, write_calibration
 from ray_zero.report.frame import NOT_OK, finish_recorded, markdown_table, memory_note, rows_frame
 from ray_zero.report.page import write_html_report
-from ray_zero.report.plots import write_plots
 from ray_zero.rows import aggregate_ranks, per_rank_columns
 from ray_zero.schema import TRIAL
 from ray_zero.store import atomic_write, load_trials, read_experiment_file, replace_trials
@@ -68,7 +67,7 @@ def write_results(
 
 
 def rerender(output_dir: Path, predict: bool = False) -> pd.DataFrame:
-    """`python -m ray_zero report DIR`: the tables, plots and report page again, without Ray.
+    """`python -m ray_zero report DIR`: the tables, figures and report page again, without Ray.
 
     From trials.jsonl (the measurements and each row's prediction as recorded), the aggregates and ratios
     made with this version of ray_zero. `predict` (`report DIR --predict`): every row predicted again by
@@ -108,8 +107,8 @@ def _recalibrate(output_dir: Path, rows: list[dict], experiment: dict) -> dict |
 
 
 def write_pages(output_dir: Path, frame: pd.DataFrame) -> None:
-    """The plots and the report page of a results table (the page reads the tables just written)."""
-    write_plots(frame, output_dir)
+    """The report page and its figure files (page.FIGURE_FILES). The page reads the tables just written,
+    not `frame`."""
     write_html_report(output_dir)
 
 

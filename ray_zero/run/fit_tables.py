@@ -13,7 +13,6 @@ import yaml
 from ray_zero.config import Point
 from ray_zero.measure.search import BracketSearch, Steps
 from ray_zero.report.frame import markdown_table
-from ray_zero.report.plots import write_fit_plot
 from ray_zero.report.tables import write_pages
 from ray_zero.run.search_trial import is_probe, recorded
 from ray_zero.run.session import Session
@@ -50,7 +49,7 @@ def _search_of(rows: list[dict], budget: float, steps: Steps) -> BracketSearch:
 def write_fit(
     session: Session, rows: list[dict], budget: float, steps: Steps, results: pd.DataFrame
 ) -> pd.DataFrame:
-    """fit.csv, fit.md, the best configs, the plots and report.html; the fit table."""
+    """fit.csv, fit.md, the best configs, report.html and its figure files; the fit table."""
     by_name = {row["trial"]: row for row in rows}
     table = []
     for key in keys_of(session):
@@ -115,8 +114,7 @@ def write_fit(
         ),
     )
     _write_best(session, frame, by_name)
-    write_fit_plot(frame, out / "fit.png")
-    write_pages(out, results)  # the sweep's plots and the page, with the fit's section
+    write_pages(out, results)  # the page and its figure files, fit.png with them
     publish(out, session.storage)
     return frame.drop(columns=["timed_trial"])
 
