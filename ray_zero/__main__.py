@@ -212,14 +212,7 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args) -> int:
     from ray_zero.run.sweep import SweepIncomplete  # Ray: imported once the input is known to be good
 
-    common = dict(
-        overrides=args.overrides,
-        output=args.output,
-        address=args.address,
-        resume=args.resume,
-        verbose=args.verbose,
-        command=_command(),
-    )
+    common = _options(args, "overrides", "output", "address", "resume", "verbose") | {"command": _command()}
     if args.resume is None and not args.experiment:
         raise ConfigError(
             f"{args.command} needs an experiment file, e.g. python -m ray_zero {args.command} "
@@ -227,14 +220,8 @@ def _run(args) -> int:
         )
     try:
         if args.command == "fit":
-            results = api.fit(
-                args.experiment,
-                budget_gib=args.budget_gib,
-                margin_gib=args.margin_gib,
-                granularity=args.granularity,
-                max_micro_batch=args.max_micro_batch,
-                **common,
-            )
+            search = _options(args, "budget_gib", "margin_gib", "granularity", "max_micro_batch")
+            results = api.fit(args.experiment, **search, **common)
             print(results.fit.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-"))
         else:
             results = api.sweep(args.experiment, diagnostics=args.diagnostics, **common)
@@ -258,6 +245,11 @@ def _command() -> str:
     return " ".join(shlex.quote(a) for a in ["python", "-m", "ray_zero", *sys.argv[1:]])
 
 
+def _options(args, *names: str) -> dict:
+    """The parsed options of these names: the API's keyword arguments of the same names."""
+    return {name: getattr(args, name) for name in names}
+
+
 def _report(args) -> int:
     from ray_zero.report.tables import console_table, rerender
 
@@ -272,22 +264,10 @@ def _report(args) -> int:
 def _estimate(args) -> int:
     model_set = [f"model={args.model}"] if args.model else []
     model = args.experiment or args.model or ("" if args.measured else "large")
-    print(
-        api.estimate(
-            model,
-            workers=args.workers,
-            stages=args.stages,
-            backend=args.backend,
-            precision=args.precision,
-            micro_batch_size=args.micro_batch_size,
-            calibration=args.calibration,
-            gpu_gib=args.gpu_gib,
-            measured=args.measured,
-            bandwidth=args.bandwidth,
-            busbw=args.busbw,
-            overrides=[*args.overrides, *(model_set if args.experiment else [])],
-        )
-    )
+    grid = _options(args, "workers", "stages", "backend", "precision", "micro_batch_size", "calibration")
+    speed = _options(args, "gpu_gib", "measured", "bandwidth", "busbw")
+    overrides = [*args.overrides, *(model_set if args.experiment else [])]
+    print(api.estimate(model, **grid, **speed, overrides=overrides))
     return 0
 
 
@@ -295,16 +275,8 @@ def _bandwidth(args) -> int:
     from ray_zero.run.bandwidth import BandwidthFailed, bandwidth_table
 
     try:
-        written = api.bandwidth(
-            workers=args.workers,
-            device=args.device,
-            min_mib=args.min_mib,
-            max_mib=args.max_mib,
-            iterations=args.iterations,
-            output=args.output,
-            address=args.address,
-            command=_command(),
-        )
+        sizes = _options(args, "workers", "device", "min_mib", "max_mib", "iterations")
+        written = api.bandwidth(**sizes, **_options(args, "output", "address"), command=_command())
     except BandwidthFailed as error:
         print(f"ray_zero: error: {error}", file=sys.stderr)
         return 1

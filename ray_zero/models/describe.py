@@ -35,9 +35,8 @@ from ray_zero.models.source import (  # noqa: F401
     ModelError,
     ModelSource,
     checkpoint_blocks,
-    classifier_spec,
+    classifier,
     find_blocks,
-    image_detail,
     one_line,
     refuse,
 )
@@ -240,6 +239,4 @@ def _preset(name, config, seq_len, input_shape, num_classes) -> Built:
         num_classes=None if num_classes in (None, NUM_CLASSES) else num_classes,
     )
     module = SmallTransformer(PRESETS[name])
-    blocks = list(module.transformer.layers)
-    spec = classifier_spec(module, shape, NUM_CLASSES, blocks, checkpoint_blocks(blocks))
-    return Built(spec, "preset", "image-classification", detail=image_detail(shape, NUM_CLASSES))
+    return classifier(module, shape, NUM_CLASSES, "preset", blocks=list(module.transformer.layers))

@@ -19,10 +19,8 @@ from ray_zero.models.source import (
     Built,
     ModelError,
     checkpoint_blocks,
-    classifier_spec,
+    classifier,
     did_you_mean,
-    find_blocks,
-    image_detail,
     one_line,
     refuse,
 )
@@ -55,11 +53,7 @@ def build_factory(
             f"factory {source} returned a plain nn.Module: give input_shape (e.g. [3, 32, 32]) and "
             "num_classes for its images and labels, or return a ModelSpec"
         )
-    blocks = find_blocks(made)
-    spec = classifier_spec(
-        made, tuple(input_shape), num_classes, blocks, blocks and checkpoint_blocks(blocks)
-    )
-    return Built(spec, "factory", "image-classification", detail=image_detail(input_shape, num_classes))
+    return classifier(made, input_shape, num_classes, "factory")
 
 
 def _load_factory(source: str, target: str, function: str) -> Callable[..., Any]:

@@ -22,10 +22,9 @@ from ray_zero.models.source import (
     Built,
     ModelError,
     checkpoint_blocks,
-    classifier_spec,
+    classifier,
     did_you_mean,
     find_blocks,
-    image_detail,
     one_line,
     refuse,
 )
@@ -155,15 +154,8 @@ def build_hf(model_type: str, config: dict, seq_len, input_shape, num_classes, c
     )
     if task == "image-classification":
         shape = tuple(input_shape or _image_shape(hf_config))
-        spec = classifier_spec(
-            module,
-            shape,
-            hf_config.num_labels,
-            blocks,
-            enable,
-            call=lambda model, images: model(pixel_values=images).logits,
-        )
-        return Built(spec, "hf", task, detail=image_detail(shape, hf_config.num_labels))
+        logits = lambda model, images: model(pixel_values=images).logits  # noqa: E731
+        return classifier(module, shape, hf_config.num_labels, "hf", blocks or [], enable, call=logits)
     make_batch = {"causal-lm": _token_ids, "masked-lm": _masked_tokens, "seq2seq-lm": _source_and_target}[
         task
     ]

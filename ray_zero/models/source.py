@@ -115,8 +115,22 @@ def classifier_spec(
     return ModelSpec(module, make_batch, loss, blocks or None, enable or None)
 
 
-def image_detail(shape, num_classes: int) -> str:
-    return f", input {'x'.join(map(str, shape))}, {num_classes} classes"
+def classifier(
+    module: nn.Module,
+    shape,
+    num_classes: int,
+    kind: str,
+    blocks: list[nn.Module] | None = None,
+    enable=None,
+    call: Callable[[Any, torch.Tensor], torch.Tensor] = lambda model, images: model(images),
+) -> Built:
+    """What a source returns for an image classifier (`classifier_spec`): its repeated blocks (found when
+    not given) and their checkpointing (torch.utils.checkpoint around each block when not given)."""
+    blocks = find_blocks(module) if blocks is None else blocks
+    enable = (blocks and checkpoint_blocks(blocks)) if enable is None else enable
+    spec = classifier_spec(module, tuple(shape), num_classes, blocks, enable, call)
+    detail = f", input {'x'.join(map(str, shape))}, {num_classes} classes"
+    return Built(spec, kind, "image-classification", detail=detail)
 
 
 def refuse(source: str, why: str, **given) -> None:

@@ -4,16 +4,7 @@ torch and timm only."""
 
 from __future__ import annotations
 
-from ray_zero.models.source import (
-    Built,
-    ModelError,
-    classifier_spec,
-    did_you_mean,
-    find_blocks,
-    image_detail,
-    one_line,
-    refuse,
-)
+from ray_zero.models.source import Built, ModelError, classifier, did_you_mean, one_line, refuse
 
 
 def build_timm(name: str, config: dict, seq_len, input_shape, num_classes) -> Built:
@@ -43,11 +34,6 @@ def build_timm(name: str, config: dict, seq_len, input_shape, num_classes) -> Bu
     if size is not None:
         height, width = (size, size) if isinstance(size, int) else size
     shape = tuple(input_shape or (config.get("in_chans", channels), height, width))
-    spec = classifier_spec(
-        module,
-        shape,
-        module.num_classes,
-        find_blocks(module),
-        lambda model: model.set_grad_checkpointing(True),
+    return classifier(
+        module, shape, module.num_classes, "timm", enable=lambda model: model.set_grad_checkpointing(True)
     )
-    return Built(spec, "timm", "image-classification", detail=image_detail(shape, module.num_classes))

@@ -3,19 +3,13 @@ value of the other axis, out-of-memory trials marked where they failed."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import matplotlib.ticker
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from ray_zero.report.figures import (
-    Figure,
-    Figures,
-    colour_of,
-    cross_handle,
-    from_zero,
-    hollow_handle,
-    legend_right,
-)
+from ray_zero.report.figures import Figure, Figures, Series, cross_handle, from_zero, hollow_handle
 from ray_zero.report.formatting import as_number, fmt, gib_text, int_text, percent_text
 
 
@@ -73,112 +67,22 @@ class AgainstFigures(Figures):
             gpu and not memory and ok["mfu"].notna().any()
         )
         fig, facets = self._facets(plotted, axis, second)
+        series = _series(memory, gpu)
         titles: dict[str, str] = {}
         used: list[str] = []
         present = [label for label, _ in self._by_setting(plotted)]
         for top, bottom, _, group, facet_title in facets:
             for label, setting in self._by_setting(group):
-                colour = colour_of(self.colours.get(label, 0))
+                colour = self.colour(label)
                 used.append(label)
                 self.dodge(axis, plotted[axis], present.index(label), len(present))
                 done = setting[setting["status"] == "ok"]
+                for line in series:
+                    ax = bottom if line.lower else top
+                    if ax is not None:
+                        self._points(ax, done, axis, line, figure, titles, colour)
                 if memory:
-                    self._points(
-                        top,
-                        done,
-                        axis,
-                        "peak_allocated_gib_max",
-                        "measured",
-                        figure,
-                        titles,
-                        colour,
-                        "-",
-                        "o",
-                        lambda r: (
-                            f"{r['trial']}: {'peak' if gpu else 'peak resident set'} "
-                            f"{gib_text(r['peak_allocated_gib_max'])} measured"
-                        ),
-                    )
-                    if gpu:
-                        self._points(
-                            top,
-                            done,
-                            axis,
-                            "predicted_peak_gib",
-                            "predicted",
-                            figure,
-                            titles,
-                            colour,
-                            "--",
-                            "s",
-                            lambda r: f"{r['trial']}: peak {gib_text(r['predicted_peak_gib'])} predicted",
-                            hollow=True,
-                        )
-                    elif bottom is not None:
-                        self._points(
-                            bottom,
-                            done,
-                            axis,
-                            "measured_model_state_gib",
-                            "states",
-                            figure,
-                            titles,
-                            colour,
-                            "-",
-                            "^",
-                            lambda r: (
-                                f"{r['trial']}: model states "
-                                f"{float(r['measured_model_state_gib']) * 1024:.3f} MiB counted"
-                            ),
-                            scale=1024,
-                        )
-                        self._points(
-                            bottom,
-                            done,
-                            axis,
-                            "predicted_model_state_gib",
-                            "predicted",
-                            figure,
-                            titles,
-                            colour,
-                            "--",
-                            "^",
-                            lambda r: (
-                                f"{r['trial']}: model states "
-                                f"{float(r['predicted_model_state_gib']) * 1024:.3f} MiB predicted"
-                            ),
-                            hollow=True,
-                            scale=1024,
-                        )
                     self._failures(top, setting, axis, figure, titles, colour)
-                else:
-                    self._points(
-                        top,
-                        done,
-                        axis,
-                        "samples_per_s",
-                        "measured",
-                        figure,
-                        titles,
-                        colour,
-                        "-",
-                        "o",
-                        lambda r: f"{r['trial']}: {fmt(r['samples_per_s'])} samples/s",
-                    )
-                    if bottom is not None:
-                        self._points(
-                            bottom,
-                            done,
-                            axis,
-                            "mfu",
-                            "mfu",
-                            figure,
-                            titles,
-                            colour,
-                            "-",
-                            "D",
-                            lambda r: f"{r['trial']}: MFU {percent_text(float(r['mfu']))}",
-                        )
             if memory and gpu and self.memory:
                 top.axhline(self.memory, color="black", linestyle=":", linewidth=1)
             top.set_title(facet_title, fontsize=9)
@@ -201,7 +105,7 @@ class AgainstFigures(Figures):
                 )
                 if bottom is not None:
                     bottom.set_ylabel("model states per rank (MiB)" if memory else "MFU")
-        legend_right(fig, self._legend(used, memory, gpu, oom_shown=len(oom) > 0))
+        self.legend(fig, used, self._legend(memory, gpu, oom_shown=len(oom) > 0))
         figure.svg = self.svg(fig, figure, titles)
         if memory and gpu:
             figure.caption += (
@@ -222,8 +126,9 @@ class AgainstFigures(Figures):
                 title = f"{record['trial']}: out of memory at {gib_text(y)}"
                 self.cross(ax, record[axis], y, gid, titles, title, colour)
 
-    def _legend(self, used: list[str], memory: bool, gpu: bool, oom_shown: bool) -> list:
-        handles = self.setting_handles(used)
+    def _legend(self, memory: bool, gpu: bool, oom_shown: bool) -> list:
+        """The legend's entries after the settings' colours: what each marker and line means."""
+        handles: list = []
         if not memory:
             return handles
         if gpu:
@@ -244,3 +149,35 @@ class AgainstFigures(Figures):
                 Line2D([], [], color="black", linestyle=":", label=f"device memory {self.memory:.1f} GiB")
             )
         return handles
+
+
+
+def _series(memory: bool, gpu: bool) -> list[Series]:
+    """GPU memory: the measured and predicted peak; CPU memory: the resident set, and below the model
+    states counted and predicted, in MiB; throughput: samples/s, and below MFU."""
+    if not memory:
+        return [
+            Series("samples_per_s", "measured", "-", "o", lambda r: f"{fmt(r['samples_per_s'])} samples/s"),
+            Series("mfu", "mfu", "-", "D", lambda r: f"MFU {percent_text(float(r['mfu']))}", lower=True),
+        ]
+    peak = "peak" if gpu else "peak resident set"
+    measured = Series(
+        "peak_allocated_gib_max",
+        "measured",
+        "-",
+        "o",
+        lambda r: f"{peak} {gib_text(r['peak_allocated_gib_max'])} measured",
+    )
+    if gpu:
+        predicted = lambda r: f"peak {gib_text(r['predicted_peak_gib'])} predicted"  # noqa: E731
+        return [measured, Series("predicted_peak_gib", "predicted", "--", "s", predicted, hollow=True)]
+
+    def states(column: str, how: str) -> Callable[[dict], str]:
+        return lambda r: f"model states {float(r[column]) * 1024:.3f} MiB {how}"
+
+    counted, predicted = "measured_model_state_gib", "predicted_model_state_gib"
+    return [
+        measured,
+        Series(counted, "states", "-", "^", states(counted, "counted"), lower=True, scale=1024),
+        Series(predicted, "predicted", "--", "^", states(predicted, "predicted"), True, True, 1024),
+    ]

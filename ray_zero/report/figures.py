@@ -19,7 +19,7 @@ import io
 import math
 import re
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, NamedTuple, Optional
 
 import matplotlib
 
@@ -87,15 +87,36 @@ def hollow_handle(marker: str, label: str) -> Line2D:
     return Line2D([], [], color="gray", marker=marker, markerfacecolor="white", linestyle="--", label=label)
 
 
+class Series(NamedTuple):
+    """What a setting draws of one column: a line and a tagged marker per row."""
+
+    column: str
+    role: str
+    """The markers' role in their ids (FIGURE--ROLE--TRIAL)."""
+    style: str
+    marker: str
+    describe: Callable[[dict], str]
+    """A row's hover text."""
+    lower: bool = False
+    """In the lower panel (MFU, the model states of CPU rows)."""
+    hollow: bool = False
+    scale: float = 1.0
+
+
 @dataclass
 class Figure:
+    """One figure of the page: its heading, caption and drawing, or the sentence shown in its place."""
+
     id: str
+    """fig1, fig2, ... in the order drawn: the page's anchor and the prefix of its markers' ids."""
     title: str
     caption: str
     svg: str = ""
+    """The drawing, inline SVG; empty when skipped."""
     skipped: str = ""
     """The sentence shown instead, when the figure would have nothing to show."""
     kind: str = ""
+    """What it draws ("memory-num_workers", "breakdown", "fit-maxima"): the page's data-kind."""
     only: str = ""
     """Skipped for want of a second x value: where every trial ran ("with 1 worker", "at micro-batch 64")."""
     png: bytes = b""
@@ -213,23 +234,11 @@ class Figures:
         ax.grid(alpha=0.3)
 
     def _points(
-        self,
-        ax,
-        group: pd.DataFrame,
-        axis: str,
-        column: str,
-        role: str,
-        figure: Figure,
-        titles: dict,
-        colour: str,
-        style: str,
-        marker: str,
-        describe,
-        hollow: bool = False,
-        scale: float = 1.0,
+        self, ax, group: pd.DataFrame, axis: str, line: Series, figure: Figure, titles: dict, colour: str
     ) -> int:
-        """A line through a setting's points and one tagged marker per row (y = the column × `scale`); the
-        number of markers drawn."""
+        """A line through a setting's points and one tagged marker per row (y = the column × its scale,
+        hover text "TRIAL: " and its description); the number of markers drawn."""
+        column, style, scale, hollow = line.column, line.style, line.scale, line.hollow
         drawn = group[group[column].notna()].sort_values(axis)
         if len(drawn) > 1:
             ax.plot(
@@ -240,11 +249,11 @@ class Figures:
                 alpha=0.8 if style == "--" else 1.0,
             )
         for record in drawn.to_dict("records"):
-            gid = f"{figure.id}--{role}--{record['trial']}"
+            gid = f"{figure.id}--{line.role}--{record['trial']}"
             (marker_line,) = ax.plot(
                 [self.shift(record[axis])],
                 [record[column] * scale],
-                marker,
+                line.marker,
                 color=colour,
                 markersize=8 if hollow else 6,
                 markerfacecolor="none" if hollow else colour,
@@ -252,7 +261,7 @@ class Figures:
                 zorder=2.5 if hollow else 3,
             )
             marker_line.set_gid(gid)
-            titles[gid] = describe(record)
+            titles[gid] = f"{record['trial']}: {line.describe(record)}"
         return len(drawn)
 
     def cross(self, ax, x: float, y: float, gid: str, titles: dict, title: str, colour: str) -> None:
@@ -271,14 +280,19 @@ class Figures:
         line.set_gid(gid)
         titles[gid] = title
 
-    def setting_handles(self, used: Iterable[str]) -> list:
-        """The legend's colour per engine setting drawn, in the table's order."""
+    def colour(self, label: str) -> str:
+        """An engine setting's colour, the same in every figure."""
+        return colour_of(self.colours.get(label, 0))
+
+    def legend(self, fig, used: Iterable[str], more: list) -> None:
+        """Beside the axes: the colour of each engine setting drawn (in the table's order), then `more`."""
         used = set(used)
-        return [
-            Line2D([], [], color=colour_of(self.colours[label]), linewidth=6, label=label)
+        settings = [
+            Line2D([], [], color=self.colour(label), linewidth=6, label=label)
             for label in self.colours
             if label in used
         ]
+        legend_right(fig, settings + more)
 
     def _by_setting(self, rows: pd.DataFrame):
         labels = rows.apply(setting_label, axis=1) if len(rows) else pd.Series(dtype=str)

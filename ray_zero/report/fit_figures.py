@@ -6,7 +6,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 
-from ray_zero.report.figures import Figure, Figures, colour_of, cross_handle, from_zero, legend_right
+from ray_zero.report.figures import Figure, Figures, Series, cross_handle, from_zero
 from ray_zero.report.formatting import (
     SETTING_KEYS,
     as_number,
@@ -16,6 +16,15 @@ from ray_zero.report.formatting import (
     present,
     setting_label,
 )
+
+FITS = Series(
+    "peak_allocated_gib_max",
+    "probe",
+    "-",
+    "o",
+    lambda r: f"fits, peak {gib_text(r['peak_allocated_gib_max'])}",
+)
+"""A probe that fitted: its measured peak."""
 
 
 class FitFigures(Figures):
@@ -53,21 +62,9 @@ class FitFigures(Figures):
             for label, setting in self._by_setting(group):
                 used.add(label)
                 self.dodge("micro_batch_size", probes["micro_batch_size"], present.index(label), len(present))
-                colour = colour_of(self.colours.get(label, 0))
+                colour = self.colour(label)
                 done = setting[setting["status"] == "ok"]
-                self._points(
-                    ax,
-                    done,
-                    "micro_batch_size",
-                    "peak_allocated_gib_max",
-                    "probe",
-                    figure,
-                    titles,
-                    colour,
-                    "-",
-                    "o",
-                    lambda r: f"{r['trial']}: fits, peak {gib_text(r['peak_allocated_gib_max'])}",
-                )
+                self._points(ax, done, "micro_batch_size", FITS, figure, titles, colour)
                 for record in setting[setting["status"] != "ok"].to_dict("records"):
                     y = as_number(record["peak_allocated_gib_max"]) or budget
                     if y is not None:
@@ -104,7 +101,7 @@ class FitFigures(Figures):
             self._x_axis(ax, "micro_batch_size", group["micro_batch_size"])
         from_zero([f[0] for f in facets])
         facets[0][0].set_ylabel("peak per rank (GiB)")
-        handles = self.setting_handles(used) + [
+        handles = [
             Line2D([], [], color="gray", marker="o", label="probe fits"),
             cross_handle("probe out of memory"),
             Line2D(
@@ -115,7 +112,7 @@ class FitFigures(Figures):
             handles.append(
                 Line2D([], [], color="firebrick", linestyle="--", label=f"budget {budget:.2f} GiB")
             )
-        legend_right(fig, handles)
+        self.legend(fig, used, handles)
         figure.svg = self.svg(fig, figure, titles)
         return figure
 
@@ -145,7 +142,7 @@ class FitFigures(Figures):
         records = found.sort_values(SETTING_KEYS[:2] + ["num_workers"], kind="stable").to_dict("records")
         for y, record in zip(range(len(records))[::-1], records):
             label = setting_label(record)
-            colour = colour_of(self.colours.get(label, 0))
+            colour = self.colour(label)
             workers = int_text(record["num_workers"])
             names.append((y, f"{label}, {workers} worker" + ("" if workers == "1" else "s")))
             key = f"{label.replace(' ', '_')}_w{int_text(record['num_workers'])}"
