@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    # The process ends here: its exit need not search the 400,000 and more objects that torch, Ray and
-    # pandas made for cycles (1-2 s on 2 cores). Files are closed, Ray is shut down, atexit handlers run.
+    # The process ends here: its exit need not search the objects that torch, Ray and pandas made for
+    # cycles (the cost: bench/sweep_bench.md). Files are closed, Ray is shut down, atexit handlers run.
     gc.freeze()
     sys.exit(code)

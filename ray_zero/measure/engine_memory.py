@@ -68,9 +68,9 @@ def deepspeed(
     Stage 0, fp16 (FP16_Optimizer): fp16 params and grads, a flat fp32 master, Adam's two states; its step
     makes an fp32 copy of every gradient and then a flat fp32 gradient: 8Ψ of temporaries, which is why
     stage 0 peaks near 24 bytes per parameter, not 16. bf16 takes the same optimizer (DDP_BFLOAT16: with
-    gradients accumulated in bf16, DeepSpeed's default, there is no fp32 accumulator; GPT-2 and the 1.1 B
-    Llama measured the fp16 bytes in every phase on one H200). fp32: torch AdamW on the module's own
-    parameters, whose foreach step needs one fp32 temporary.
+    gradients accumulated in bf16, DeepSpeed's default, there is no fp32 accumulator: bf16 peaks where fp16
+    does, docs/h200-results.md). fp32: torch AdamW on the module's own parameters, whose foreach step
+    needs one fp32 temporary.
     Stages 1 and 2 (DeepSpeedZeroOptimizer) both reduce gradients into this rank's partition, so in 0.19.8
     stage 1 holds what stage 2 holds: full low-precision params, a low-precision gradient buffer (the
     tensors that overlap its partition, whole), the fp32 master partition and Adam's states, and in the
@@ -117,7 +117,7 @@ def deepspeed(
         )
     else:  # the paper's split, with an fp32 master partition in fp32 training too (DeepSpeed keeps one);
         # its step peaks 8 bytes per parameter (of this rank's partition) above the states, as stage 0's
-        # (measured at 1 GPU, fp16 and bf16: 24.2 bytes per parameter at the peak).
+        # (docs/h200-results.md).
         parts = dict(
             parameter_bytes=low * h.params,
             gradient_bytes=low * h.gradients,
@@ -126,10 +126,9 @@ def deepspeed(
             step_transient_bytes=(8 if precision != "fp32" else 4) * h.states,
         )
     if offload != "none":
-        # In CPU memory, not on the device: the master, Adam's states, the step, and (measured on one H200,
-        # 806 M preset: +0.06 GiB over the first backward) the gradient partition, which each reduce copies
-        # to an fp32 host buffer. The backward's transients above the saved activations are not counted
-        # (+0.2 GiB at stage 2, +0.5 GiB at stage 1 on that model, where they set the peak).
+        # In CPU memory, not on the device: the master, Adam's states, the step, and the gradient
+        # partition, which each reduce copies to an fp32 host buffer. The backward's transients above the
+        # saved activations are not counted (where they set the peak: OFFLOAD_CHECKED, docs/h200-results.md).
         parts.update(
             gradient_bytes=0.0, master_param_bytes=0.0, optimizer_state_bytes=0.0, step_transient_bytes=0.0
         )
@@ -150,8 +149,8 @@ def torch_zero(
     it steps."""
     n, psi = num_workers, float(params)
     h = held or even(params, "torch_zero", stage, n)
-    # DDP allocates its buckets at any world size: one H200 measured +3.0 GiB (4Ψ) at the wrap, 18.08 GiB
-    # peak.
+    # DDP allocates its buckets (4Ψ) at any world size, one rank too (docs/h200-results.md, "Engines on
+    # the 806 M model").
     return Prediction(
         "torch_zero",
         parameter_bytes=4 * h.params,
@@ -180,9 +179,9 @@ def fsdp(
     n, psi, low = num_workers, float(params), BYTES[precision]
     h = held or even(params, "fsdp", stage, n)
     gathered = low * psi if stage == 2 else 2 * low * largest_block_params
-    # At one rank too in fp16/bf16: the unsharded parameters are low-precision copies (calibration's
-    # intercept on an H200: 2.0 GiB for a 1.1 B model at stage 2, its bf16 weights); fp32 at one rank
-    # computes on the shard itself.
+    # At one rank too in fp16/bf16: the unsharded parameters are low-precision copies (at stage 2 all of
+    # them: a calibration's intercept is the model's low-precision weights); fp32 at one rank computes on
+    # the shard itself.
     return Prediction(
         "fsdp",
         parameter_bytes=4 * h.params,

@@ -95,7 +95,7 @@ def _deepspeed(trainable_shapes, frozen_shapes, stage: int, n: int, unreached=fr
         return Held(params=partition * n + p - t, gradients=gradients, states=partition, trainable=t)
     if stage == 3:
         split = sum(math.ceil(s / n) for s in trainable)
-        # At one rank the partition is the whole tensor, one storage (measured on CPU): nothing besides it.
+        # At one rank the partition is the whole tensor, one storage: nothing besides it.
         whole = sum(s for s in every if s <= DEEPSPEED_PERSISTENCE_THRESHOLD) if n > 1 else 0
         return Held(
             params=sum(math.ceil(s / n) for s in every) + whole, gradients=split, states=split, trainable=t

@@ -37,9 +37,9 @@ class Prediction:
     """This rank's data on the device (MNIST shard or synthetic batches)."""
     gradients_freed_in_step: bool = False
     """The optimizer frees the gradients after its step (zero_grad(set_to_none), DeepSpeed's stages 0-2),
-    so they are not allocated while the next forward's activations peak: measured per phase on an H200,
-    memory after the first step fell by the gradients' bytes for DeepSpeed stages 0-2, DDP and FSDP2, while
-    ZeRO-3 allocates its gradient partition once, at initialize."""
+    so they are not allocated while the next forward's activations peak: DeepSpeed stages 0-2, DDP and
+    FSDP2 (each phase's memory: per_rank.csv of the GPU folders under results/); ZeRO-3 allocates its
+    gradient partition once, at initialize."""
     basis: str = "unchecked"
     """On what this formula was checked."""
 

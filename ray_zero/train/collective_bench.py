@@ -4,9 +4,9 @@ the same under Ray Train, torchrun or a test.
 
 A message of S bytes is the all-reduce's tensor, the reduce-scatter's whole input, the all-gather's whole
 output (ray_zero/measure/bandwidth.py). Per size: one call to learn its time, a few warm-up calls, then
-up to `iterations` timed calls, fewer where they would take more than `seconds_per_size` (a 2-core CPU
-moves a GiB through gloo in about a second; an H200 pair in milliseconds). The time of a call is the
-slowest rank's mean, so every rank returns the same rows.
+up to `iterations` timed calls, fewer where they would take more than `seconds_per_size` (gloo moves
+large messages a thousand times slower than a GPU pair). The time of a call is the slowest rank's mean,
+so every rank returns the same rows.
 """
 
 from __future__ import annotations

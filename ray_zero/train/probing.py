@@ -15,10 +15,10 @@ and goes on if the memory in use is back within `LEAK_TOLERANCE_BYTES` of what i
 else `run_search` returns early (`"leak"`) and the caller goes on in a fresh run. With several ranks an
 out-of-memory rank ends the run (its peers may be waiting in a collective), as does any other error.
 
-Measured on the 2-core CPU (bench/fit_bench.md): the trimmed heap goes back to within 1 MiB of its level
-before each probe, but a probe after others reads up to 0.16 GiB more resident set than a fresh run
-(glibc's mmap threshold only rises: later probes take more from the heap). GPU: the caching allocator's
-peak, which a previous probe does not touch once its blocks are freed and the cache emptied.
+CPU: the heap is trimmed after each probe, yet a probe after others may read more resident set than a
+fresh run (glibc's mmap threshold only rises: later probes take more from the heap; how much:
+bench/fit_bench.md). GPU: the caching allocator's peak, which a previous probe does not touch once its
+blocks are freed and the cache emptied.
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from ray_zero.train.worker import TrialOutOfMemory, train
 
 LEAK_TOLERANCE_BYTES = 256 * 1024**2
 """How far above its pre-probe level the memory in use (GPU: allocated; CPU: resident set, after the heap
-is trimmed) may stay once an out-of-memory probe is torn down, for the run to go on. GPU: cuBLAS keeps its
-64 MiB of workspaces once made. CPU, measured here: a run's first probe leaves about 80 MiB (first-use
-allocations; the imports and the model come before it), later ones under 1 MiB."""
+is trimmed) may stay once an out-of-memory probe is torn down, for the run to go on: above what a probe
+leaves by design (GPU: cuBLAS's workspaces once made; CPU: a run's first probe's first-use allocations;
+the sizes: bench/fit_bench.md)."""
 
 
 @dataclass(frozen=True)

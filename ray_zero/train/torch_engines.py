@@ -92,9 +92,9 @@ class TorchZeroEngine(_TorchEngine):
         super()._step()
         if not self._collected:
             # DDP rebuilds its gradient buckets at its second iteration. Unless Python's collector runs
-            # first, the old buckets outlive the new ones' allocation: on an H200 that held 4 bytes per
-            # parameter more in 7 of 8 fresh BERT-base runs, and in none of 8 with this one collection
-            # (bench/ddp_rebuild_probe.py), leaving the trial's peak above its steady steps' by chance.
+            # first, the old buckets may outlive the new ones' allocation (4 bytes per parameter more),
+            # leaving the trial's peak above its steady steps' by chance. The runs: docs/h200-results.md
+            # (bench/ddp_rebuild_probe.py).
             gc.collect()
             self._collected = True
 

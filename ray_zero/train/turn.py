@@ -5,10 +5,10 @@ engine) while another measures, so that each trial's samples/s is its own.
 Two locks (flock) on files named after the GPU's UUID, in a folder on the GPU's node, that every process
 training on that GPU, of this sweep or of another, uses: a trial sets up holding `.setup` shared (set-ups
 run side by side) and measures holding `.turn` exclusive, then `.setup` exclusive (it waits for the
-set-ups under way; later ones wait for it). On the first H200 run without the second lock, points
-measured while others set up ran 0.82-0.86 of their one-at-a-time samples/s. The kernel lets go of a
-lock whose process dies (a SIGKILL, an out-of-memory kill): no turn outlives its holder. No Ray here: the
-rank takes the turn the same way under Ray Train, torchrun or a test.
+set-ups under way; later ones wait for it): a set-up beside a measuring trial slows it
+(bench/sweep_bench.md). The kernel lets go of a lock whose process dies (a SIGKILL, an out-of-memory
+kill): no turn outlives its holder. No Ray here: the rank takes the turn the same way under Ray Train,
+torchrun or a test.
 """
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ def jit_ops_dir() -> str:
     """This Python environment's own folder for DeepSpeed's JIT-built ops (unless the user sets one).
 
     torch keys its default build folder by op name, Python version and CUDA only, while the build files
-    name the venv's include paths: two venvs on one machine rebuild the op in turn (19-43 s on 2 CPU
-    cores each time)."""
+    name the venv's include paths: two venvs on one machine rebuild the op in turn, tens of seconds each
+    time (bench/startup_profile.md, cut 13)."""
     from torch.utils.cpp_extension import get_default_build_root
 
     environment = hashlib.sha1(f"{sys.prefix}|{torch.__version__}".encode()).hexdigest()[:12]
@@ -80,7 +80,7 @@ def train(
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", jit_ops_dir())
     if device.type == "cpu":
         # `import deepspeed` sets PYTORCH_NVML_BASED_CUDA_CHECK=1; without a GPU torch's optimizers then
-        # load NVML at every step (1-3 % of a host-bound step).
+        # load NVML at every step (its cost: bench/startup_profile.md, cut 14).
         os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "0"
     if device.type == "cuda":
         torch.cuda.set_device(device)
