@@ -17,6 +17,10 @@ from ray_zero.run.loggers import missing_packages
 OLDEST = {"torch": "2.11", "ray": "2.56.1", "deepspeed": "0.19.0"}
 """The oldest releases the rank-level tests and a CPU sweep passed on (bench/compat.md)."""
 OLDEST_FOR_MODELS = {"hf:": ("transformers", "5.17"), "timm:": ("timm", "1.0.29")}
+ZERO3_DEEPSPEED = "0.19.4"
+"""DeepSpeed 0.19.0-0.19.3's ZeRO-3 saves every gathered parameter for backward (on the tests' toy model
+exactly one more fp32 copy of all its parameters, with or without activation checkpointing), which the
+memory model does not predict; 0.19.4 on saves what 0.19.8 saves (bench/compat.md)."""
 
 
 def installed(package: str) -> Version | None:
@@ -39,6 +43,13 @@ def check_stack(experiment: Experiment) -> None:
                 f"{package} {found} is older than ray_zero supports: it needs {package} >= {oldest} "
                 f"(pip install '{package}>={oldest}')"
             )
+    deepspeed = installed("deepspeed")
+    zero3 = "deepspeed" in experiment.grid.backend and 3 in experiment.grid.stage
+    if zero3 and deepspeed is not None and deepspeed.release < Version(ZERO3_DEEPSPEED).release:
+        raise ConfigError(
+            f"grid.stage 3 with backend deepspeed needs deepspeed >= {ZERO3_DEEPSPEED} (found {deepspeed}: "
+            "its ZeRO-3 keeps the gathered parameters for backward); upgrade DeepSpeed or leave stage 3 out"
+        )
     missing = missing_packages(list(experiment.runtime.loggers))
     if missing:
         raise ConfigError(

@@ -1,0 +1,43 @@
+"""What a sweep checks of the installed stack before Ray starts (ray_zero/run/stack.py), and the
+runtime.loggers key: one ConfigError line each, naming what is needed. Pure: no Ray, no training.
+The version floors are exercised for real on an older stack by bench/compat.py (bench/compat.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_zero.config import ConfigError
+from ray_zero.experiment_file import validate_experiment
+from ray_zero.run import loggers, stack
+
+
+def experiment(**keys):
+    return validate_experiment({"steps": 2, "warmup_steps": 1, **keys})
+
+
+def test_loggers_take_one_name_or_several_of_the_three():
+    assert experiment(runtime={"loggers": "mlflow"}).runtime.loggers == ["mlflow"]
+    both = experiment(runtime={"loggers": ["tensorboard", "mlflow"]})
+    assert both.runtime.loggers == ["tensorboard", "mlflow"]
+    assert experiment().runtime.loggers == []
+    with pytest.raises(ConfigError) as error:
+        experiment(runtime={"loggers": ["comet"]})
+    assert "runtime.loggers" in str(error.value) and "'mlflow'" in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_a_logger_whose_package_is_missing_is_refused_in_one_line(monkeypatch):
+    wanted = experiment(runtime={"loggers": ["tensorboard", "wandb"]})
+    stack.check_stack(wanted)  # tensorboardX comes with ray[tune]; wandb is installed here
+    monkeypatch.setitem(loggers.PACKAGES, "wandb", "ray_zero_no_such_package")
+    with pytest.raises(
+        ConfigError, match=r"^runtime.loggers: wandb \(ray_zero_no_such_package\) not installed; "
+    ):
+        stack.check_stack(wanted)
+
+
+def test_the_installed_stack_meets_its_own_floors():
+    """requirements.txt's pins are at or above the floors stack.py checks (pyproject.toml's ranges)."""
+    for package, oldest in {**stack.OLDEST, "deepspeed": stack.ZERO3_DEEPSPEED}.items():
+        assert stack.installed(package).release >= tuple(int(p) for p in oldest.split("."))
+    stack.check_stack(experiment(grid={"stage": [3]}))
