@@ -20,9 +20,9 @@ import io
 import os
 import sys
 import traceback
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT
+
 sys.path.insert(0, str(ROOT))
 
 

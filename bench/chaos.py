@@ -28,8 +28,8 @@ from collections import Counter
 from pathlib import Path
 
 import psutil
+from common import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 

@@ -31,12 +31,12 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT, free_port
+
 sys.path.insert(0, str(ROOT))
 
 from ray_zero.config import Point, TrialSpec  # noqa: E402
@@ -113,9 +113,7 @@ class Ranks:
     """`world_size` processes under torch.distributed, kept for every run of one set of modes."""
 
     def __init__(self, world_size: int, gpu: bool):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         context = mp.get_context("spawn")
         self.connections, self.processes = [], []
         for rank in range(world_size):

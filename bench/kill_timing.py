@@ -22,8 +22,8 @@ from pathlib import Path
 
 import psutil
 import ray
+from common import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from ray_zero.experiment_file import load_experiment  # noqa: E402
 from ray_zero.run.sweep import run_sweep  # noqa: E402

@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT
+
 sys.path.insert(0, str(ROOT))
 
 from ray_zero.api import describe, experiment_of  # noqa: E402

@@ -27,8 +27,8 @@ from pathlib import Path
 from subprocess import DEVNULL, PIPE
 
 import ray
+from common import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ray_zero.experiment_file import load_experiment  # noqa: E402

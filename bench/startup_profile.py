@@ -25,7 +25,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import bare_spec, ray_rows, run_bare  # noqa: E402
+from bare_and_ray import bare_spec, ray_rows, run_bare  # noqa: E402
 
 IMPORT_LINE = re.compile(r"import time:\s+\d+ \|\s+(\d+) \|( +)(\S+)")
 

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Optional
 
 import pandas as pd
+from common import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ray_zero.config import is_calibration  # noqa: E402

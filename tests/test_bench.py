@@ -1,7 +1,6 @@
-"""bench/: a real bare-DeepSpeed run under torchrun (bench/bare_deepspeed.py, ray_zero.train.worker.train),
-its
-phases adding up to its wall time, compare_overhead.py over an old- and a new-format bench.csv, and
-sweep_bench.py's summary of its committed records."""
+"""bench/: a real bare-DeepSpeed run under torchrun (bench/bare_and_ray.py, bench/bare_deepspeed.py,
+ray_zero.train.worker.train), its phases adding up to its wall time, compare_overhead.py over an old- and
+a new-format bench.csv, and sweep_bench.py's summary of its committed records."""
 
 from __future__ import annotations
 
@@ -14,7 +13,8 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-import bench  # noqa: E402
+import bare_and_ray  # noqa: E402
+
 from ray_zero.experiment_file import load_experiment  # noqa: E402
 
 
@@ -26,7 +26,7 @@ def test_phases_count_a_mark_earlier_than_the_last_from_the_last():
         "process_started_at": 5.0,
         "train_loop_started_at": 14.0,
     }
-    got = bench.phases(marks, bench.RAY_PHASES[:3], "ray")
+    got = bare_and_ray.phases(marks, bare_and_ray.RAY_PHASES[:3], "ray")
     assert list(got.values()) == [1.0, 0.0, 3.0]
     assert sum(got.values()) == marks["train_loop_started_at"] - marks["began_at"]
 
@@ -36,8 +36,9 @@ def test_bare_run_measures_the_trial_and_its_phases_add_up(tmp_path):
         ROOT / "experiments" / "quick.yaml",
         ["steps=4", "warmup_steps=1", "grid.stage=[1]", "grid.num_workers=[1]"],
     ).with_absolute_paths()
-    plan, model = bench.plan_and_model(experiment)
-    row = bench.run_bare(bench.bare_spec(experiment, plan.runnable[0], plan, model, tmp_path), tmp_path)
+    plan, model = bare_and_ray.plan_and_model(experiment)
+    spec = bare_and_ray.bare_spec(experiment, plan.runnable[0], plan, model, tmp_path)
+    row = bare_and_ray.run_bare(spec, tmp_path)
     assert (
         row["trial"] == "stage1_mb64_w1" and row["samples_per_s"] > 0 and 0 < row["timed_s"] < row["wall_s"]
     )
@@ -50,7 +51,7 @@ def test_bare_run_measures_the_trial_and_its_phases_add_up(tmp_path):
     )
     assert marks["initialize_at"] < marks["warmed_up_at"] < marks["finished_at"] < marks["exited_at"]
     phases = {k: v for k, v in row.items() if k.startswith("bare ")}
-    assert len(phases) == len(bench.BARE_PHASES) and min(phases.values()) >= 0
+    assert len(phases) == len(bare_and_ray.BARE_PHASES) and min(phases.values()) >= 0
     assert abs(sum(phases.values()) - row["wall_s"]) < 1e-6
 
 
