@@ -37,6 +37,8 @@ _CHECKS = {
     torch.ops.aten.eq.Tensor: True,
     torch.ops.aten.ne.Scalar: False,
     torch.ops.aten.ne.Tensor: False,
+    torch.ops.aten._is_all_true.default: True,
+    torch.ops.aten._is_any_true.default: False,
 }
 """What a data check reads on ray_zero's synthetic batches (no padding, no exceptions): everything holds
 (`.all()`, `mask.sum() == mask.numel()`), nothing is the exception (`.any()`)."""
