@@ -28,7 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT
+
 OLD_STACK = {
     "torch": "2.11.0",  # the lent GPU machines' torch
     "torchvision": "0.26.0",  # torch 2.11's
@@ -111,7 +112,8 @@ def install_checkout(venv: Path, source: Path, log: Path) -> int:
 
 def install_test_tools(venv: Path, log: Path) -> int:
     """pytest, and MLflow for the loggers' test (the pin requirements.txt tests with)."""
-    mlflow = next(line for line in (ROOT / "requirements.txt").read_text().splitlines() if "mlflow" in line)
+    pins = (ROOT / "requirements.txt").read_text().splitlines()
+    mlflow = next(line for line in pins if line.startswith("mlflow"))
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
     return run([*pip, "pytest", "pytest-timeout", mlflow.strip()], log)[0]
 
@@ -138,6 +140,17 @@ def sweep(venv: Path, source: Path, out: Path, log: Path) -> dict:
     return {"code": code, "seconds": seconds, "rows": rows}
 
 
+def refused(venv: Path, source: Path, log: Path) -> str:
+    """What the old stack refuses before Ray: a ZeRO-3 sweep (ray_zero/run/stack.py), its one line."""
+    command = [str(venv / "bin" / "python"), "-m", "ray_zero", "sweep", "experiments/quick.yaml"]
+    command += ["--set", "grid.stage=[3]", "--output", str(source / "refused")]
+    done = subprocess.run(command, cwd=source, capture_output=True, text=True, timeout=600)
+    with open(log, "a") as out:
+        out.write(f"\n$ {' '.join(command)}\n{done.stdout}{done.stderr}")
+    lines = [line for line in done.stderr.splitlines() if line.startswith("ray_zero: error:")]
+    return f"exit {done.returncode}: {lines[-1] if lines else 'no error line'}"
+
+
 def hardware() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -148,7 +161,7 @@ def hardware() -> str:
     return f"{cpu}, {os.cpu_count()} logical CPUs, no GPU" if not shutil.which("nvidia-smi") else cpu
 
 
-def table(before, after, tests, swept, command) -> str:
+def table(before, after, tests, swept, refusal, command) -> str:
     kept = all(before[n] == after[n] for n in OLD_STACK)
     lines = [
         "# ray_zero on an older stack",
@@ -172,6 +185,7 @@ def table(before, after, tests, swept, command) -> str:
         f"| `python -m ray_zero sweep experiments/quick.yaml` | exit {swept['code']}, {ok} of {len(rows)} "
         f"rows ok | {swept['seconds']:.0f} |"
     )
+    lines.append(f"| `... sweep experiments/quick.yaml --set 'grid.stage=[3]'` | {refusal} | |")
     if rows:
         lines += ["", "| trial | status | peak GiB | samples/s | error |", "|---|---|---|---|---|"]
         for r in rows:
@@ -225,10 +239,11 @@ def main() -> None:
             print(f"compat: {test}: {tests[test][0]} ({seconds:.0f} s)", flush=True)
         swept = sweep(args.venv, source, out, log)
         print(f"compat: quick sweep exit {swept['code']} ({swept['seconds']:.0f} s)", flush=True)
+        refusal = refused(args.venv, source, log)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     command = "python bench/compat.py " + " ".join(sys.argv[1:])
-    (out / "compat.md").write_text(table(before, after, tests, swept, command))
+    (out / "compat.md").write_text(table(before, after, tests, swept, refusal, command))
     (out / "versions.json").write_text(json.dumps({"before": before, "after": after}, indent=1) + "\n")
     print((out / "compat.md").read_text())
 
