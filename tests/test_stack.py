@@ -27,11 +27,11 @@ def test_loggers_take_one_name_or_several_of_the_three():
 
 
 def test_a_logger_whose_package_is_missing_is_refused_in_one_line(monkeypatch):
-    wanted = experiment(runtime={"loggers": ["tensorboard", "wandb"]})
-    stack.check_stack(wanted)  # tensorboardX comes with ray[tune]; wandb is installed here
-    monkeypatch.setitem(loggers.PACKAGES, "wandb", "ray_zero_no_such_package")
+    wanted = experiment(runtime={"loggers": ["tensorboard", "mlflow"]})
+    stack.check_stack(wanted)  # tensorboardX comes with ray[tune]; requirements.txt installs mlflow-skinny
+    monkeypatch.setitem(loggers.PACKAGES, "mlflow", "ray_zero_no_such_package")
     with pytest.raises(
-        ConfigError, match=r"^runtime.loggers: wandb \(ray_zero_no_such_package\) not installed; "
+        ConfigError, match=r"^runtime.loggers: mlflow \(ray_zero_no_such_package\) not installed; "
     ):
         stack.check_stack(wanted)
 

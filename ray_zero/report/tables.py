@@ -19,27 +19,38 @@ from ray_zero.schema import TRIAL
 from ray_zero.store import atomic_write, load_trials, read_experiment_file, replace_trials
 
 
-def prediction_notes(frame: pd.DataFrame) -> list[str]:
-    """What each prediction rests on (`prediction`), with its trials: where a formula was checked, and
-    which component it is known to miss."""
-    if "prediction" not in frame or not len(frame):
-        return []
-    rows = frame[frame["status"] == "ok"].dropna(subset=["prediction"])
-    groups = rows.groupby("prediction", sort=False)["trial"].apply(list)
-    if groups.empty:
-        return []
-    return (
-        ["Predictions:", ""] + [f"- {basis}: {', '.join(trials)}" for basis, trials in groups.items()] + [""]
+_UNSTABLE = "runtime.timing_min_s or timing_spread not met within timing_max_steps (step_spread in trials.jsonl)"
+
+
+def row_notes(frame: pd.DataFrame, rows: list[dict[str, Any]]) -> list[str]:
+    """What trials.jsonl alone holds, said once per value with its trials in table order: what each ok
+    row's prediction rests on, why MFU is blank, which rows' timing never met its bound."""
+    by_trial = {str(row.get("trial")): row for row in rows}
+    ordered = [by_trial[t] for t in frame["trial"].astype(str) if t in by_trial] if len(frame) else []
+    notes = (
+        ("Predictions", lambda r: r.get("status") == "ok" and r.get("prediction")),
+        ("MFU blank", lambda r: r.get("status") == "ok" and r.get("mfu_blank")),
+        ("Timing not stable", lambda r: r.get("timing_unstable") and _UNSTABLE),
     )
+    parts: list[str] = []
+    for title, said in notes:
+        groups: dict[str, list[str]] = {}
+        for row in ordered:
+            if said(row):
+                groups.setdefault(str(said(row)), []).append(str(row["trial"]))
+        if groups:
+            parts += [f"{title}:", ""] + [f"- {text}: {', '.join(trials)}" for text, trials in groups.items()]
+            parts += [""]
+    return parts
 
 
-def render_markdown(frame: pd.DataFrame, provenance: dict[str, Any] | None) -> str:
+def render_markdown(frame: pd.DataFrame, rows: list[dict[str, Any]], provenance: dict[str, Any] | None) -> str:
     title = (provenance or {}).get("experiment", "sweep")
     parts = [f"# {title}: results", ""]
     if provenance:
         parts += [f"- {key}: {value}" for key, value in provenance.items() if key != "experiment"] + [""]
     parts += [memory_note(frame), "", markdown_table(frame), ""]
-    parts += prediction_notes(frame)
+    parts += row_notes(frame, rows)
     failures = frame[frame["status"].isin(NOT_OK)] if len(frame) else frame
     if len(failures):
         parts += (
@@ -54,7 +65,7 @@ def write_results(
     """(Re)write results.csv, results.md, per_rank.csv and diagnostics.csv atomically; return the table."""
     frame = rows_frame(rows)
     atomic_write(output_dir / "results.csv", frame.to_csv(index=False))
-    atomic_write(output_dir / "results.md", render_markdown(frame, provenance))
+    atomic_write(output_dir / "results.md", render_markdown(frame, rows, provenance))
     per_rank = [r for row in rows for r in row.get("per_rank") or []]
     if per_rank:
         table = pd.DataFrame(per_rank)
