@@ -18,8 +18,7 @@ from ray_zero.rows import aggregate_ranks, per_rank_columns
 from ray_zero.schema import TRIAL
 from ray_zero.store import atomic_write, load_trials, read_experiment_file, replace_trials
 
-
-_UNSTABLE = "runtime.timing_min_s or timing_spread not met within timing_max_steps (step_spread in trials.jsonl)"
+_UNSTABLE = "runtime.timing_min_s or timing_spread not met within timing_max_steps"
 
 
 def row_notes(frame: pd.DataFrame, rows: list[dict[str, Any]]) -> list[str]:
@@ -44,7 +43,9 @@ def row_notes(frame: pd.DataFrame, rows: list[dict[str, Any]]) -> list[str]:
     return parts
 
 
-def render_markdown(frame: pd.DataFrame, rows: list[dict[str, Any]], provenance: dict[str, Any] | None) -> str:
+def render_markdown(
+    frame: pd.DataFrame, rows: list[dict[str, Any]], provenance: dict[str, Any] | None
+) -> str:
     title = (provenance or {}).get("experiment", "sweep")
     parts = [f"# {title}: results", ""]
     if provenance:
