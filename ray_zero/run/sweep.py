@@ -113,24 +113,13 @@ def shared(session: Session, specs: list[TrialSpec]) -> tuple[list[TrialSpec], O
     return [dataclasses.replace(s, gpu_share=sharing.shares[s.name]) for s in specs], sharing
 
 
-def run_sweep(
-    experiment: Experiment,
-    output_dir: Path,
-    model=None,
-    address: Optional[str] = None,
-    command: Optional[str] = None,
-    resume: bool = False,
-    diagnostics: bool = False,
-    verbose: bool = False,
-    fits_checked: bool = False,
-):
-    """Run the whole grid and return the results table (a pandas DataFrame). `fits_checked`: the model was
-    checked against this machine before a private Ray (ray_zero.api), and is not checked again."""
+def run_sweep(experiment: Experiment, output_dir: Path, model=None, **session_options):
+    """Run the whole grid and return the results table (a pandas DataFrame). `session_options`: Session's
+    (address, command, resume, diagnostics, verbose, fits_checked: the model was checked against this
+    machine before a private Ray, by ray_zero.api, and is not checked again)."""
     if model is None:
         model = describe_model(experiment.model_source())
-    session = Session(
-        experiment, model, output_dir, address, command, resume, diagnostics, verbose, fits_checked
-    )
+    session = Session(experiment, model, output_dir, **session_options)
     with session:
         plan = session.plan
         session.record_skipped()
@@ -155,12 +144,13 @@ def run_sweep(
             specs, sharing = shared(session, phase)
             if sharing_text is None:
                 sharing_text = _scheduling(session, sharing)
-                if not resume:
+                if not session.resume:
                     session.record_scheduling(sharing_text)
                 log.info(
                     f"{len(plan.runnable)} trials ({len(plan.skipped)} skipped"
                     f"{f', {len(pending)} calibrating activations first' if pending else ''})"
-                    f"{f', {len(to_run)} to run' if resume else ''}, {sharing_text}, {plan.precision}; "
+                    f"{f', {len(to_run)} to run' if session.resume else ''}, {sharing_text}, "
+                    f"{plan.precision}; "
                     f"results in {session.output_dir}"
                 )
             drivers = None
@@ -173,7 +163,7 @@ def run_sweep(
                     total,
                     max_concurrent=drivers,
                     on_row=CalibrationRecorder(session, {s.name for s in calibrating}),
-                    tune_name=f"{name}-resumed-{int(time.time())}" if resume else name,
+                    tune_name=f"{name}-resumed-{int(time.time())}" if session.resume else name,
                 ).fit()
         # The tables and the page are drawn while the session's exit shuts Ray down (which mostly waits
         # for Ray's processes to end): they need no Ray.
