@@ -101,3 +101,20 @@ def test_a_failed_peak_reset_is_a_field_of_the_row(monkeypatch, tmp_path):
     measured.stop_timing(1, 8)
     assert measured.result()["peak_reset_failed"] is True
     assert aggregate_ranks([{"peak_reset_failed": False}, {"peak_reset_failed": True}])["peak_reset_failed"]
+
+
+def test_a_cpu_folders_memory_column_is_headed_as_the_resident_set(tmp_path):
+    """CPU rows (bench/results/cpu-2core/packing): results.md's and report.html's peak column says RSS, the
+    GPU allocator's name stays results.csv's (one schema for CPU and GPU rows); GPU rows keep "peak GiB"."""
+    cpu = tmp_path / "cpu"
+    shutil.copytree(ROOT / "bench" / "results" / "cpu-2core" / "packing", cpu)
+    rerender(cpu)
+    header = next(line for line in (cpu / "results.md").read_text().splitlines() if line.startswith("| trial"))
+    assert "| peak RSS GiB |" in header and "peak_allocated_gib_max" not in header
+    assert 'data-key="peak_allocated_gib_max">peak RSS GiB</th>' in (cpu / "report.html").read_text()
+    assert "peak_allocated_gib_max" in pd.read_csv(cpu / "results.csv")
+    gpu = tmp_path / "gpu"
+    shutil.copytree(FOLDER, gpu)
+    rerender(gpu)
+    assert 'data-key="peak_allocated_gib_max">peak GiB</th>' in (gpu / "report.html").read_text()
+    assert "| peak_allocated_gib_max |" in (gpu / "results.md").read_text()

@@ -17,16 +17,16 @@ import pandas as pd
 
 from ray_zero.measure.calibration import read_calibration
 from ray_zero.report.formatting import as_number, fmt, percent_text, present, truthy
-from ray_zero.report.frame import NOT_OK, finish_recorded, rows_frame
+from ray_zero.report.frame import NOT_OK, cpu_only, finish_recorded, heading, rows_frame
 from ray_zero.rows import results_columns
 from ray_zero.schema import TRIAL
 from ray_zero.store import load_trials, read_experiment_file
 
 REPORT_FILE = "report.html"
-def table_columns() -> list[tuple[str, str, str]]:
-    """The results table's (column, heading, hover text): the registry's `page` view; a trial that is not
-    ok says why under its name (the error column)."""
-    return [(c.name, c.heading, c.hint or c.help) for c in TRIAL.view("page")]
+def table_columns(cpu: bool = False) -> list[tuple[str, str, str]]:
+    """The results table's (column, heading, hover text): the registry's `page` view, headed for rows
+    that all ran on CPU where `cpu`; a trial that is not ok says why under its name (the error column)."""
+    return [(c.name, heading(c.name, c.heading, cpu), c.hint or c.help) for c in TRIAL.view("page")]
 
 
 # --------------------------------------------------------------------------------------------- reading
@@ -105,16 +105,16 @@ def table(
     """The table's columns (those the same in every row move to a line above it) and its cells."""
     keep = set(keep_constant)
     shown, constant = [], []
-    for column, heading, hint in table_columns() if columns is None else columns:
+    for column, head, hint in table_columns(cpu_only(frame)) if columns is None else columns:
         if column not in frame:
             continue
         values = frame[column]
         if values.isna().all() and column not in keep:
             continue
         if column not in keep and len(frame) > 1 and values.astype(str).nunique() == 1:
-            constant.append(f"{heading} {fmt(values.iloc[0])}")
+            constant.append(f"{head} {fmt(values.iloc[0])}")
             continue
-        shown.append((column, heading, hint))
+        shown.append((column, head, hint))
     body = []
     for record in frame.to_dict("records"):
         cells = []

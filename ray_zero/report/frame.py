@@ -42,9 +42,22 @@ def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def cpu_only(frame: pd.DataFrame) -> bool:
+    """Every row ran on CPU: the memory columns hold resident sets (their `cpu_heading`)."""
+    return len(frame) > 0 and set(frame["memory_kind"].dropna()) == {"cpu_rss"}
+
+
+def heading(name: str, default: str, cpu: bool) -> str:
+    """A column's heading in a table whose rows all ran on CPU (`cpu`) or not."""
+    known = TRIAL.by_name.get(name)
+    return known.cpu_heading if cpu and known is not None and known.cpu_heading else default
+
+
 def markdown_table(frame: pd.DataFrame, columns: Optional[list[str]] = None) -> str:
     columns = [c for c in (markdown_columns() if columns is None else columns) if c in frame]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    cpu = "memory_kind" in frame and cpu_only(frame)
+    headings = [heading(c, c, cpu) for c in columns]
+    lines = ["| " + " | ".join(headings) + " |", "|" + "---|" * len(columns)]
     for _, record in frame[columns].iterrows():
         lines.append("| " + " | ".join(_cell(record[c]) for c in columns) + " |")
     return "\n".join(lines)
@@ -52,12 +65,12 @@ def markdown_table(frame: pd.DataFrame, columns: Optional[list[str]] = None) -> 
 
 def memory_note(frame: pd.DataFrame) -> str:
     kinds = set(frame["memory_kind"].dropna()) if len(frame) else set()
-    if kinds == {"cpu_rss"}:
+    if cpu_only(frame):
         return (
-            "CPU rows: `peak_allocated_gib_max` is each worker process's peak resident set (Python, torch "
-            "and "
-            "Ray included), not comparable with GPU memory; the model states counted tensor by tensor "
-            "(`measured_model_state_gib`) stand beside what the memory model predicts for them."
+            "CPU rows: peak RSS GiB (`peak_allocated_gib_max` in results.csv) is each worker process's "
+            "peak resident set (Python, torch and Ray included), not comparable with GPU memory; the "
+            "model states counted tensor by tensor (`measured_model_state_gib`) stand beside what the "
+            "memory model predicts for them."
         )
     if kinds == {"cuda"}:
         return (

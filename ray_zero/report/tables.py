@@ -12,7 +12,15 @@ import pandas as pd
 from ray_zero.config import is_calibration
 from ray_zero.experiment_file import validate_experiment
 from ray_zero.measure.calibration import read_calibration, write_calibration
-from ray_zero.report.frame import NOT_OK, finish_recorded, markdown_table, memory_note, rows_frame
+from ray_zero.report.frame import (
+    NOT_OK,
+    cpu_only,
+    finish_recorded,
+    heading,
+    markdown_table,
+    memory_note,
+    rows_frame,
+)
 from ray_zero.report.page import write_html_report
 from ray_zero.rows import aggregate_ranks, per_rank_columns
 from ray_zero.schema import TRIAL
@@ -127,10 +135,11 @@ def write_pages(output_dir: Path, frame: pd.DataFrame) -> None:
 def console_table(frame: pd.DataFrame, width: int = 120) -> str:
     """The final table, within `width` characters: on CPU the model-state columns replace the peak's
     prediction (an RSS beside a GPU prediction would tell nothing)."""
-    cpu = set(frame["memory_kind"].dropna()) == {"cpu_rss"} if len(frame) else False
-    names = {c.name: c.heading for c in TRIAL.view("console", "console_cpu" if cpu else "console_gpu")}
-    if cpu:
-        names["peak_allocated_gib_max"] = "peak RSS GiB"
+    cpu = cpu_only(frame)
+    names = {
+        c.name: heading(c.name, c.heading, cpu)
+        for c in TRIAL.view("console", "console_cpu" if cpu else "console_gpu")
+    }
     shown = frame[list(names)].rename(columns=names)
     text = shown.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-")
     return "\n".join(line[:width] for line in text.splitlines())

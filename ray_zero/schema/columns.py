@@ -54,6 +54,9 @@ class Column:
     """The short heading of the console's and report.html's tables."""
     hint: str = ""
     """report.html's hover text (default: help)."""
+    cpu_heading: str = ""
+    """The heading where every row ran on CPU (a memory column is then the resident set, not the CUDA
+    allocator's): console, report.html and results.md."""
     views: frozenset[str] = field(default_factory=frozenset)
     """Tables that show it beside its file: md (results.md), console, console_gpu, console_cpu (the
     final table, on GPU or CPU rows only), page (report.html's results table)."""
