@@ -3,7 +3,8 @@
 Each folder (a trials.jsonl under results/ or bench/results/) is copied twice to a scratch folder; each
 copy is re-rendered by `python -m ray_zero report` run from one checkout. A folder passes when both
 exit 0 and every cell of the other checkout's results.csv is the same in this one's (columns this one
-adds aside). Prints one line per folder that does not pass, then the count.
+adds aside, and those this one keeps in trials.jsonl only: the registry's record tier). Prints one line
+per folder that does not pass, then the count.
 
     python bench/rerender_check.py --other /path/to/older/checkout [--scratch /tmp/rerender]
 """
@@ -20,6 +21,9 @@ from pathlib import Path
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ray_zero.schema import TRIAL  # noqa: E402
 
 
 def render(folder: Path, checkout: Path, scratch: Path):
@@ -45,7 +49,8 @@ def differences(old: pd.DataFrame, new: pd.DataFrame) -> list[str]:
     found = []
     for column in old.columns:
         if column not in new:
-            found.append(f"column {column} gone")
+            if column not in TRIAL or TRIAL[column].tier != "record":
+                found.append(f"column {column} gone")
             continue
         for i in range(len(old)):
             a, b = old.at[i, column], new.at[i, column]

@@ -89,3 +89,24 @@ def test_mfu_is_blank_with_its_reason_on_cpu_and_tflops_too_where_flops_were_not
 )
 def test_a_gpus_peak_is_found_by_its_exact_name(name, precision, peak):
     assert peak_tflops(name, precision) == peak
+
+
+def test_the_auto_bound_counts_every_step_the_trial_may_run():
+    """runtime.trial_timeout_s auto: four times the steps at a pessimistic rate, the added timed steps
+    (timing_max_steps) and the counted steps after the window included; never under the floor."""
+    from ray_zero.run.watchdog import BOUND_FACTOR, BOUND_FLOOR_S, PESSIMISTIC_FLOPS, trial_bound_s
+    from ray_zero.train.steps import COUNTED_STEPS
+
+    def bound(*overrides: str) -> float:
+        spec = trial_spec(experiment_of("experiments/quick.yaml", *overrides), POINT)
+        samples = POINT.micro_batch_size * spec.model.flops_per_sample
+        return trial_bound_s(spec), BOUND_FACTOR * samples / PESSIMISTIC_FLOPS["cpu"]
+
+    plain, per_step = bound("steps=6", "warmup_steps=1", "runtime.trial_timeout_s=auto")
+    assert plain == BOUND_FLOOR_S  # the quick model's steps are far under the floor
+    steps = int(BOUND_FLOOR_S / per_step)  # past the floor: the bound is the steps' own
+    long, _ = bound(f"steps={steps}", "warmup_steps=1", "runtime.trial_timeout_s=auto")
+    assert long == pytest.approx((steps + COUNTED_STEPS) * per_step)
+    budget, _ = bound(f"steps={steps}", "warmup_steps=1", f"timing_max_steps={2 * steps}")
+    assert budget == pytest.approx((1 + 2 * steps + COUNTED_STEPS) * per_step)
+    assert bound("runtime.trial_timeout_s=42")[0] == 42

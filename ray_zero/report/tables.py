@@ -26,7 +26,7 @@ from ray_zero.rows import aggregate_ranks, per_rank_columns
 from ray_zero.schema import TRIAL
 from ray_zero.store import atomic_write, load_trials, read_experiment_file, replace_trials
 
-_UNSTABLE = "runtime.timing_min_s or timing_spread not met within timing_max_steps"
+_UNSTABLE = "timing_min_s or timing_spread not met within the timed steps (timing_max_steps)"
 
 
 def row_notes(frame: pd.DataFrame, rows: list[dict[str, Any]]) -> list[str]:

@@ -34,6 +34,8 @@ from typing import Any, Optional
 
 import ray
 
+from ray_zero.train.steps import COUNTED_STEPS
+
 BOUND_FLOOR_S = 600.0
 """No trial's default bound is shorter: start-up on a loaded node, imports, a model built and copied."""
 PESSIMISTIC_FLOPS = {"gpu": 20e12, "cpu": 5e9}
@@ -46,15 +48,18 @@ TRIAL_KEY_VAR, TRIAL_LOG_VAR = "RAY_ZERO_TRIAL_KEY", "RAY_ZERO_TRIAL_LOG"
 
 
 def trial_bound_s(spec) -> Optional[float]:
-    """The trial's bound in seconds (runtime.trial_timeout_s; "auto": the floor, or four times the steps
-    at a pessimistic rate if longer); None: unbounded."""
+    """The trial's bound in seconds (runtime.trial_timeout_s; "auto": the floor, or four times every step
+    the trial may run, warm-up, added timed steps and counted steps included, at a pessimistic rate if
+    longer); None: unbounded."""
     setting = spec.experiment.runtime.trial_timeout_s
     if setting is None or isinstance(setting, (int, float)):
         return setting
     experiment, point = spec.experiment, spec.point
-    steps = experiment.steps or 0
+    added = experiment.timing_max_steps  # timed steps in all, the warm-up's aside
+    steps = max(experiment.steps or 0, experiment.warmup_steps + added if added else 0)
     if experiment.epochs:  # an epoch of the presets' 5,000 digits, shared by the ranks
         steps = experiment.epochs * max(1, 5000 // (point.micro_batch_size * point.num_workers))
+    steps += COUNTED_STEPS
     samples = steps * point.micro_batch_size * experiment.gradient_accumulation_steps
     rate = PESSIMISTIC_FLOPS["gpu" if spec.use_gpu else "cpu"]
     return max(BOUND_FLOOR_S, BOUND_FACTOR * samples * spec.model.flops_per_sample / rate)
