@@ -109,7 +109,8 @@ def test_a_cpu_folders_memory_column_is_headed_as_the_resident_set(tmp_path):
     cpu = tmp_path / "cpu"
     shutil.copytree(ROOT / "bench" / "results" / "cpu-2core" / "packing", cpu)
     rerender(cpu)
-    header = next(line for line in (cpu / "results.md").read_text().splitlines() if line.startswith("| trial"))
+    lines = (cpu / "results.md").read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| trial"))
     assert "| peak RSS GiB |" in header and "peak_allocated_gib_max" not in header
     assert 'data-key="peak_allocated_gib_max">peak RSS GiB</th>' in (cpu / "report.html").read_text()
     assert "peak_allocated_gib_max" in pd.read_csv(cpu / "results.csv")
