@@ -31,3 +31,28 @@ def test_a_due_refresh_draws_the_tables_once_in_a_thread(tmp_path):
     recorder.record(_row(2), running=0)  # due: drawn beside the next rows, not in the caller
     recorder.wait()
     assert (tmp_path / "results.csv").read_text().count("stage1_mb") == 2
+
+
+class SlowDrawing(Recorder):
+    """Drawing that takes at least 0.1 s, as the pages of a few hundred rows take tens of seconds."""
+
+    def _draw(self) -> None:
+        time.sleep(0.1)
+        super()._draw()
+
+
+def test_drawing_takes_at_most_a_tenth_of_the_sweeps_time(tmp_path):
+    recorder = SlowDrawing(tmp_path, str(tmp_path), total=100, pages=False, refresh_s=0.01)
+    recorder.record(_row(1), running=0)
+    time.sleep(0.02)
+    recorder.record(_row(2), running=0)  # due: refresh_s has passed and nothing was drawn yet
+    recorder.wait()
+    assert recorder.draw_s >= 0.1
+    time.sleep(0.05)
+    recorder.record(_row(3), running=0)  # refresh_s has passed, ten times the last drawing has not
+    recorder.wait()
+    assert (tmp_path / "results.csv").read_text().count("stage1_mb") == 2
+    time.sleep(10 * recorder.draw_s)
+    recorder.record(_row(4), running=0)
+    recorder.wait()
+    assert (tmp_path / "results.csv").read_text().count("stage1_mb") == 4

@@ -56,12 +56,17 @@ def trial_summary(row: dict[str, Any]) -> str:
     return text + (f"; {row['error']}" if row.get("error") else "")
 
 
+DRAW_SHARE = 0.1
+"""Drawing takes at most this share of the sweep's time: the next drawing waits ten times the last one's
+length when that is longer than refresh_s (the pages of 300 rows take about 25 s on a 2-core machine)."""
+
+
 class Recorder:
     """Records finished trials in the output folder: each row appended to trials.jsonl as it comes, with a
     line and the progress on the console; the tables, (with `pages`) the plots and report.html, and the
-    copy on the storage path drawn from trials.jsonl at most every `refresh_s` seconds, in a thread of
-    their own, and once more at the sweep's end (Session.finish). A row's own work stays the same however
-    many rows came before it."""
+    copy on the storage path drawn from trials.jsonl at most every `refresh_s` seconds and at most
+    DRAW_SHARE of the time, in a thread of their own, and once more at the sweep's end (Session.finish).
+    A row's own work stays the same however many rows came before it."""
 
     def __init__(
         self,
@@ -75,6 +80,8 @@ class Recorder:
         self.output_dir, self.storage, self.total, self.on_row = output_dir, storage, total, on_row
         self.pages, self.refresh_s = pages, refresh_s
         self.started = self.drawn_at = time.time()
+        self.draw_s = 0.0
+        """How long the last drawing took (the next waits for DRAW_SHARE of the time)."""
         self.finished = len(load_trials(output_dir))  # a resumed sweep's rows, read once
         self._drawing: Optional[threading.Thread] = None
 
@@ -95,7 +102,7 @@ class Recorder:
         elapsed = time.time() - self.started
         log.info(f"{self.finished}{of} trials finished, {running} running, {elapsed:.0f} s")
         last = self.total is not None and self.finished >= self.total  # the session's finish draws it
-        due = time.time() - self.drawn_at >= self.refresh_s
+        due = time.time() - self.drawn_at >= max(self.refresh_s, self.draw_s / DRAW_SHARE)
         if due and not last and (self._drawing is None or not self._drawing.is_alive()):
             self.drawn_at = time.time()
             self._drawing = threading.Thread(target=self.draw, name="ray_zero tables", daemon=True)
@@ -103,6 +110,14 @@ class Recorder:
 
     def draw(self) -> None:
         """The tables (and pages) from trials.jsonl as it is, copied to the storage path."""
+        started = time.perf_counter()
+        try:
+            self._draw()
+        finally:
+            self.draw_s = time.perf_counter() - started
+            self.drawn_at = time.time()
+
+    def _draw(self) -> None:
         frame = write_results(self.output_dir, load_trials(self.output_dir), read_provenance(self.output_dir))
         try:
             if self.pages:
