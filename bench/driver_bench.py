@@ -2,9 +2,10 @@
 
 A CPU sweep of many trials of a tiny factory model (examples/my_model.py, 2 steps each) through
 `ray_zero.sweep`, in this process, with the recorder's `record` (what Tune's callback runs for each
-finished trial, in the driver) timed row by row. Reports the median time of the first and the last 50
-rows, and whether the pages at the end equal what `report DIR` draws of the folder. `--checkout DIR` runs
-another checkout's ray_zero the same way (its recorder redrew every table and page after every row).
+finished trial, in the driver) timed row by row, and the driver process's CPU time between rows (Tune's
+work, the recorder's and its drawing thread's). Reports the first and the last 50 rows' figures (and the
+trials' own wall times), and whether the pages at the end equal what `report DIR` draws of the folder.
+`--checkout DIR` runs another checkout's ray_zero the same way.
 
     nice python bench/driver_bench.py --trials 300 --output /tmp/driver-new
     nice python bench/driver_bench.py --trials 300 --output /tmp/driver-old --checkout /tmp/old
@@ -34,12 +35,14 @@ def main(argv=None) -> int:
     from ray_zero.run import recorder
 
     spent: list[tuple[str, float]] = []
+    driver_cpu: list[float] = []  # this process's CPU time (Tune, the recorder, its drawing) at each row
     original = recorder.Recorder.record
 
     def timed(self, row, running):
         started = time.perf_counter()
         original(self, row, running)
         spent.append((row["trial"], time.perf_counter() - started))
+        driver_cpu.append(time.process_time())
 
     recorder.Recorder.record = timed
     sizes = list(range(1, args.trials + 1))
@@ -63,6 +66,9 @@ def main(argv=None) -> int:
     wall = time.time() - started
     record = [s for _, s in spent]
     first, last = statistics.median(record[:50]), statistics.median(record[-50:])
+    per_row = [b - a for a, b in zip(driver_cpu, driver_cpu[1:])]  # the driver's CPU seconds per row
+    rows = map(json.loads, (args.output / "trials.jsonl").open())
+    walls = [row["wall_s"] for row in rows if row.get("wall_s")]
     sweep_page = (args.output / "report.html").read_bytes()
     from ray_zero.report.tables import rerender
 
@@ -77,6 +83,11 @@ def main(argv=None) -> int:
         "record_last50_median_s": last,
         "last_over_first": last / first,
         "record_total_s": sum(record),
+        "driver_cpu_first50_mean_s": statistics.mean(per_row[:50]),
+        "driver_cpu_last50_mean_s": statistics.mean(per_row[-50:]),
+        "driver_cpu_last_over_first": statistics.mean(per_row[-50:]) / statistics.mean(per_row[:50]),
+        "trial_wall_first50_median_s": statistics.median(walls[:50]),
+        "trial_wall_last50_median_s": statistics.median(walls[-50:]),
         "pages_equal_report": same,
     }
     (args.output / "driver_bench.json").write_text(json.dumps({**summary, "record_s": spent}, indent=1))
