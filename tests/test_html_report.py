@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from ray_zero.report.page import render_html, write_html_report
-from ray_zero.report.tables import rerender
+from ray_zero.report.tables import rerender, row_notes
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_FOLDERS = ["memory_scaling-h200x2", "oom_probe-h200", "zero1_mnist-h200"]
@@ -477,3 +477,30 @@ def test_a_folder_with_a_bandwidth_file_predicts_speed_beside_the_measured(tmp_p
             assert f"{row['samples_per_s']:.4g}"[:4] in section
     assert section.count("<tr") == 1 + 8 * 4  # its header, and 8 configurations at 1, 2, 4 and 8 workers
     assert 'id="speed-table"' not in render_html(source / "sweep")  # no bandwidth file: no table
+
+
+def test_results_md_says_once_per_value_what_only_trials_jsonl_holds():
+    """results.md's notes: a value with its trials in table order, "every row" where all rows share it;
+    a row that is not ok has no prediction or MFU to explain."""
+    rows = [
+        {
+            "trial": "b",
+            "status": "ok",
+            "prediction": "unchecked",
+            "mfu_blank": "a CPU",
+            "timing_unstable": True,
+        },
+        {"trial": "a", "status": "ok", "prediction": "traced", "mfu_blank": "a CPU", "timing_unstable": True},
+        {"trial": "c", "status": "oom", "prediction": "traced", "mfu_blank": None, "timing_unstable": True},
+    ]
+    frame = pd.DataFrame({"trial": ["a", "b", "c"]})
+    notes = [line for line in row_notes(frame, rows) if line]
+    assert notes == [
+        "Predictions:",
+        "- traced: a",
+        "- unchecked: b",
+        "MFU blank:",
+        "- a CPU: a, b",
+        "Timing not stable:",
+        "- timing_min_s or timing_spread not met within the timed steps (timing_max_steps): every row",
+    ]

@@ -46,8 +46,11 @@ def row_notes(frame: pd.DataFrame, rows: list[dict[str, Any]]) -> list[str]:
             if said(row):
                 groups.setdefault(str(said(row)), []).append(str(row["trial"]))
         if groups:
-            parts += [f"{title}:", ""] + [f"- {text}: {', '.join(trials)}" for text, trials in groups.items()]
-            parts += [""]
+            named = {
+                text: "every row" if len(trials) == len(ordered) else ", ".join(trials)
+                for text, trials in groups.items()
+            }
+            parts += [f"{title}:", ""] + [f"- {text}: {trials}" for text, trials in named.items()] + [""]
     return parts
 
 
