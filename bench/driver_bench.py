@@ -36,7 +36,8 @@ def main(argv=None) -> int:
 
     spent: list[tuple[str, float]] = []
     driver_cpu: list[float] = []  # this process's CPU time (Tune, the recorder, its drawing) at each row
-    original = recorder.Recorder.record
+    draws: list[tuple[float, int, float]] = []  # each drawing's CPU time, rows drawn, process CPU at its end
+    original, original_draw = recorder.Recorder.record, recorder.Recorder.draw
 
     def timed(self, row, running):
         started = time.perf_counter()
@@ -44,7 +45,12 @@ def main(argv=None) -> int:
         spent.append((row["trial"], time.perf_counter() - started))
         driver_cpu.append(time.process_time())
 
-    recorder.Recorder.record = timed
+    def timed_draw(self):
+        started = time.thread_time()
+        original_draw(self)
+        draws.append((time.thread_time() - started, self.finished, time.process_time()))
+
+    recorder.Recorder.record, recorder.Recorder.draw = timed, timed_draw
     sizes = list(range(1, args.trials + 1))
     experiment = {
         "name": "driver_bench",
@@ -67,6 +73,12 @@ def main(argv=None) -> int:
     record = [s for _, s in spent]
     first, last = statistics.median(record[:50]), statistics.median(record[-50:])
     per_row = [b - a for a, b in zip(driver_cpu, driver_cpu[1:])]  # the driver's CPU seconds per row
+
+    def drawing(start: float, end: float) -> float:  # drawing CPU seconds that ended between two rows
+        return sum(cpu for cpu, _, at in draws if start < at <= end)
+
+    first_drawing = drawing(driver_cpu[0], driver_cpu[50]) / 50
+    last_drawing = drawing(driver_cpu[-51], driver_cpu[-1]) / 50
     rows = map(json.loads, (args.output / "trials.jsonl").open())
     walls = [row["wall_s"] for row in rows if row.get("wall_s")]
     sweep_page = (args.output / "report.html").read_bytes()
@@ -86,11 +98,16 @@ def main(argv=None) -> int:
         "driver_cpu_first50_mean_s": statistics.mean(per_row[:50]),
         "driver_cpu_last50_mean_s": statistics.mean(per_row[-50:]),
         "driver_cpu_last_over_first": statistics.mean(per_row[-50:]) / statistics.mean(per_row[:50]),
+        "drawing_cpu_first50_per_row_s": first_drawing,
+        "drawing_cpu_last50_per_row_s": last_drawing,
+        "drawings": len(draws),
+        "last_drawing_rows_and_cpu_s": [draws[-1][1], draws[-1][0]] if draws else None,
         "trial_wall_first50_median_s": statistics.median(walls[:50]),
         "trial_wall_last50_median_s": statistics.median(walls[-50:]),
         "pages_equal_report": same,
     }
-    (args.output / "driver_bench.json").write_text(json.dumps({**summary, "record_s": spent}, indent=1))
+    record_file = {**summary, "record_s": spent, "draws": draws}
+    (args.output / "driver_bench.json").write_text(json.dumps(record_file, indent=1))
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -42,11 +42,10 @@ class BreakdownFigures(Figures):
 
     def _measured_ranks(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """Each rank's components (bytes) for one trial: per_rank.csv, else the row's max over ranks."""
-        per_rank = self.sweep.per_rank
-        ranks = []
-        if per_rank is not None and len(per_rank):
-            for rank in per_rank[per_rank["trial"] == record["trial"]].sort_values("rank").to_dict("records"):
-                ranks.append({"label": f"rank {int_text(rank.get('rank'))}", **rank})
+        ranks = [
+            {"label": f"rank {int_text(rank.get('rank'))}", **rank}
+            for rank in self._ranks_by_trial().get(record["trial"], [])
+        ]
         if not ranks:
             aggregate = {key: record.get(f"{key}_per_rank_max") for key, _, _ in COMPONENTS[:4]}
             aggregate["saved_for_backward_bytes"] = record.get("saved_for_backward_bytes_per_rank_max")
@@ -58,6 +57,16 @@ class BreakdownFigures(Figures):
                 }
             )
         return ranks
+
+    def _ranks_by_trial(self) -> dict[str, list[dict[str, Any]]]:
+        """per_rank.csv's records by trial, in rank order: read once for all the bars."""
+        if getattr(self, "_ranks", None) is None:
+            self._ranks: dict[str, list[dict[str, Any]]] = {}
+            per_rank = self.sweep.per_rank
+            if per_rank is not None and len(per_rank):
+                for rank in per_rank.sort_values("rank", kind="stable").to_dict("records"):
+                    self._ranks.setdefault(rank["trial"], []).append(rank)
+        return self._ranks
 
     def _measured_bar(self, rank: dict[str, Any], cpu: bool) -> tuple[dict[str, float], str]:
         parts = {key: (as_number(rank.get(key)) or 0.0) for key, _, _ in COMPONENTS[:4]}

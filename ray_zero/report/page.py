@@ -126,7 +126,7 @@ def _figure_files(figures: PageFigures, drawn: list, memory_kinds: list[str]) ->
         png = next((f.png for kind in kinds for f in drawn if f.kind == kind and f.png), b"")
         if not png and name == "fit.png" and sweep.fit is not None:
             png = figures.fit_maxima(even_one=True).png
-        elif not png and name != "batch.png":
+        elif not png and name in ("memory.png", "throughput.png"):
             what = kinds[0].split("-")[0]
             png = figures.against("num_workers", what, memory_kinds[0], even_one=True).png
         if png:

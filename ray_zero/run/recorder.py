@@ -56,9 +56,10 @@ def trial_summary(row: dict[str, Any]) -> str:
     return text + (f"; {row['error']}" if row.get("error") else "")
 
 
-DRAW_SHARE = 0.1
-"""Drawing takes at most this share of the sweep's time: the next drawing waits ten times the last one's
-length when that is longer than refresh_s (the pages of 300 rows take about 25 s on a 2-core machine)."""
+DRAW_SHARE = 0.02
+"""Drawing takes at most this share of the sweep's time: the next drawing waits the last one's length over
+DRAW_SHARE when that is longer than refresh_s. The pages' cost grows with the rows, so this share sets
+the driver's drawing per row at the end of a long sweep (bench/driver_bench.md)."""
 
 
 class Recorder:
