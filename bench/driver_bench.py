@@ -79,6 +79,10 @@ def main(argv=None) -> int:
 
     first_drawing = drawing(driver_cpu[0], driver_cpu[50]) / 50
     last_drawing = drawing(driver_cpu[-51], driver_cpu[-1]) / 50
+    by_50 = [  # each 50 rows: the driver's CPU per row, and the drawing's part of it
+        (statistics.mean(per_row[i : i + 50]), drawing(driver_cpu[i], driver_cpu[i + 50]) / 50)
+        for i in range(0, len(per_row) - 49, 50)
+    ]
     rows = map(json.loads, (args.output / "trials.jsonl").open())
     walls = [row["wall_s"] for row in rows if row.get("wall_s")]
     sweep_page = (args.output / "report.html").read_bytes()
@@ -100,13 +104,14 @@ def main(argv=None) -> int:
         "driver_cpu_last_over_first": statistics.mean(per_row[-50:]) / statistics.mean(per_row[:50]),
         "drawing_cpu_first50_per_row_s": first_drawing,
         "drawing_cpu_last50_per_row_s": last_drawing,
+        "driver_and_drawing_cpu_per_row_by_50": by_50,
         "drawings": len(draws),
         "last_drawing_rows_and_cpu_s": [draws[-1][1], draws[-1][0]] if draws else None,
         "trial_wall_first50_median_s": statistics.median(walls[:50]),
         "trial_wall_last50_median_s": statistics.median(walls[-50:]),
         "pages_equal_report": same,
     }
-    record_file = {**summary, "record_s": spent, "draws": draws}
+    record_file = {**summary, "record_s": spent, "draws": draws, "driver_cpu": driver_cpu}
     (args.output / "driver_bench.json").write_text(json.dumps(record_file, indent=1))
     print(json.dumps(summary, indent=1))
     return 0

@@ -35,10 +35,12 @@ def test_a_due_refresh_draws_the_tables_once_in_a_thread(tmp_path):
 
 
 class SlowDrawing(Recorder):
-    """Drawing that takes at least 0.1 s, as the pages of a few hundred rows take tens of seconds."""
+    """Drawing that takes at least 0.1 s of CPU, as the pages of a few hundred rows take seconds."""
 
     def _draw(self) -> None:
-        time.sleep(0.1)
+        until = time.thread_time() + 0.1
+        while time.thread_time() < until:
+            pass
         super()._draw()
 
 

@@ -57,8 +57,8 @@ def trial_summary(row: dict[str, Any]) -> str:
 
 
 DRAW_SHARE = 0.02
-"""Drawing takes at most this share of the sweep's time: the next drawing waits the last one's length over
-DRAW_SHARE when that is longer than refresh_s. The pages' cost grows with the rows, so this share sets
+"""Drawing takes at most this share of the sweep's time: the next drawing waits the last one's CPU time
+over DRAW_SHARE when that is longer than refresh_s. The pages' cost grows with the rows, so this share sets
 the driver's drawing per row at the end of a long sweep (bench/driver_bench.md)."""
 
 
@@ -82,7 +82,7 @@ class Recorder:
         self.pages, self.refresh_s = pages, refresh_s
         self.started = self.drawn_at = time.time()
         self.draw_s = 0.0
-        """How long the last drawing took (the next waits for DRAW_SHARE of the time)."""
+        """The last drawing's CPU seconds (the next waits until they are DRAW_SHARE of the time)."""
         self.finished = len(load_trials(output_dir))  # a resumed sweep's rows, read once
         self._drawing: Optional[threading.Thread] = None
 
@@ -111,11 +111,11 @@ class Recorder:
 
     def draw(self) -> None:
         """The tables (and pages) from trials.jsonl as it is, copied to the storage path."""
-        started = time.perf_counter()
+        started = time.thread_time()  # CPU time: what the drawing takes from the trials beside it
         try:
             self._draw()
         finally:
-            self.draw_s = time.perf_counter() - started
+            self.draw_s = time.thread_time() - started
             self.drawn_at = time.time()
 
     def _draw(self) -> None:
