@@ -1,5 +1,6 @@
 """What a sweep checks of the installed stack before Ray starts (ray_zero/run/stack.py), and the
-runtime.loggers key: one ConfigError line each, naming what is needed. Pure: no Ray, no training.
+runtime.loggers key: one ConfigError line each, naming what is needed; the Ray Tune switches a sweep sets
+for Tuner.fit's span. Pure: no Ray, no training.
 The version floors are exercised for real on an older stack by bench/compat.py (bench/compat.md)."""
 
 from __future__ import annotations
@@ -41,3 +42,14 @@ def test_the_installed_stack_meets_its_own_floors():
     for package, oldest in {**stack.OLDEST, "deepspeed": stack.ZERO3_DEEPSPEED}.items():
         assert stack.installed(package).release >= tuple(int(p) for p in oldest.split("."))
     stack.check_stack(experiment(grid={"stage": [3]}))
+
+
+def test_tunes_snapshot_period_is_ray_zeros_unless_the_caller_set_one(monkeypatch):
+    from ray_zero.run.session import tune_env
+
+    monkeypatch.delenv("TUNE_GLOBAL_CHECKPOINT_S", raising=False)
+    env = tune_env({"MLFLOW_ALLOW_FILE_STORE": "true"})
+    assert env["TUNE_GLOBAL_CHECKPOINT_S"] == "600" and env["RAY_AIR_NEW_OUTPUT"] == "0"
+    assert env["MLFLOW_ALLOW_FILE_STORE"] == "true"
+    monkeypatch.setenv("TUNE_GLOBAL_CHECKPOINT_S", "auto")
+    assert "TUNE_GLOBAL_CHECKPOINT_S" not in tune_env({})  # the caller's own period stays in force

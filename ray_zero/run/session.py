@@ -45,9 +45,17 @@ DRIVER_MEMORY_BYTES = 256 * 1024**2
 TUNE_ENV = {"RAY_AIR_NEW_OUTPUT": "0", "TUNE_GLOBAL_CHECKPOINT_S": "600"}
 """Ray Tune's documented switches, read once as Tuner.fit starts: set for fit's span only. Its legacy
 console output, silent at verbose=0 (the new engine still prints a table at a run's start and end). Its
-experiment snapshot at most every 10 minutes (and at the end): a sweep resumes from trials.jsonl, never
-from that snapshot, whose cost grows with the trials (Tune's "auto" spends up to 5 % of the driver's time
-on it)."""
+experiment snapshot at most every 10 minutes (and at the end), unless the caller set their own period: a
+sweep resumes from trials.jsonl, never from that snapshot, whose cost grows with the trials (Tune's "auto"
+spends up to 5 % of the driver's time on it)."""
+CALLERS_OWN = {"TUNE_GLOBAL_CHECKPOINT_S"}
+"""Of TUNE_ENV, the switches a value in the caller's environment keeps."""
+
+
+def tune_env(fit_env: dict[str, str]) -> dict[str, str]:
+    """What Tuner.fit's span sets: TUNE_ENV (less the switches the caller set themselves) and `fit_env`."""
+    env = {k: v for k, v in TUNE_ENV.items() if not (k in CALLERS_OWN and k in os.environ)}
+    return {**env, **fit_env}
 
 
 class _QuietTuner(tune.Tuner):
@@ -57,7 +65,7 @@ class _QuietTuner(tune.Tuner):
     fit_env: dict[str, str] = {}
 
     def fit(self):
-        env = {**TUNE_ENV, **self.fit_env}
+        env = tune_env(self.fit_env)
         with caller_state_kept(*env):
             os.environ.update(env)
             return super().fit()
