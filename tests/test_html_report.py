@@ -309,6 +309,24 @@ def test_fifty_rows_page_is_small_and_self_contained(fifty):
     assert re.search(r"<script[^>]+src=|<link[^>]+href=", path.read_text()) is None
 
 
+def test_a_page_drawn_while_a_sweep_runs_draws_its_figures_from_a_fixed_number_of_rows(fifty, tmp_path):
+    # The recorder's pages during a sweep (FIGURE_ROWS): a drawing's cost stays the same as rows come.
+    folder = tmp_path / "thinned"
+    shutil.copytree(fifty, folder)
+    trials = set(pd.read_csv(folder / "results.csv")["trial"])
+
+    def marked(page: str) -> set[str]:  # the trials that have a hover-tagged marker or bar in a figure
+        return {t for t in trials if re.search(rf'id="[^"]*--{re.escape(t)}(--|")', page)}
+
+    every = write_html_report(folder).read_text()
+    thinned = write_html_report(folder, figure_rows=12).read_text()
+    assert len(marked(every)) > 12 and 0 < len(marked(thinned)) <= 12  # failed rows have no marker
+    assert marked(thinned) < marked(every)
+    assert "drawn from 12 of its 50 trials" in thinned and "drawn from" not in every
+    table_rows = [t for t in trials if f">{t}<" in thinned]  # the table still holds every trial
+    assert len(table_rows) == 50
+
+
 @needs_chromium
 def test_fifty_rows_page_in_chromium(fifty, tmp_path):
     write_html_report(fifty)

@@ -11,13 +11,15 @@ again.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Optional
 
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from ray_zero.report.against import AgainstFigures
 from ray_zero.report.breakdown import BreakdownFigures
-from ray_zero.report.data import REPORT_FILE, read_sweep, table
+from ray_zero.report.data import REPORT_FILE, Sweep, read_sweep, table
 from ray_zero.report.fit_figures import FitFigures
 from ray_zero.report.frame import memory_note
 from ray_zero.report.speed_estimate import folder_speed
@@ -51,10 +53,13 @@ def render_html(output_dir: Path) -> str:
     return render(output_dir)[0]
 
 
-def render(output_dir: Path) -> tuple[str, dict[str, bytes]]:
-    """The page's HTML and its figure files (FIGURE_FILES: PNG bytes by file name)."""
+def render(output_dir: Path, figure_rows: Optional[int] = None) -> tuple[str, dict[str, bytes]]:
+    """The page's HTML and its figure files (FIGURE_FILES: PNG bytes by file name). With `figure_rows`,
+    the figures are drawn from at most that many rows (a page drawn while a sweep runs); the tables hold
+    every row."""
     sweep = read_sweep(Path(output_dir))
-    figures = PageFigures(sweep, png_kinds=[k for kinds in FIGURE_FILES.values() for k in kinds])
+    drawn_from = _thinned(sweep, figure_rows)
+    figures = PageFigures(drawn_from, png_kinds=[k for kinds in FIGURE_FILES.values() for k in kinds])
     sections = []
     kinds = [k for k in ("cuda", "cpu_rss") if (sweep.frame["memory_kind"].fillna("cuda") == k).any()]
     for kind in kinds:
@@ -110,10 +115,32 @@ def render(output_dir: Path) -> tuple[str, dict[str, bytes]]:
         sections=sections,
         memory_note=memory_note(sweep.frame).replace("`", ""),
         trials=len(sweep.frame),
+        figures_note=(
+            f"While the sweep runs, the figures are drawn from {len(drawn_from.frame)} of its "
+            f"{len(sweep.frame)} trials, spread over the table's order; at its end, from every trial."
+            if drawn_from is not sweep
+            else ""
+        ),
         loggers=_loggers(sweep.folder),
     )
     drawn = [f for section in sections for f in section["figures"]] + fit_figures
     return page, _figure_files(figures, drawn, kinds)
+
+
+def _thinned(sweep: Sweep, most: Optional[int]) -> Sweep:
+    """`sweep` with at most `most` of its rows, evenly spread over the table's order (SORT_KEYS), and
+    their ranks: a page's figures then cost the same however many rows came. `sweep` itself where it has
+    no more."""
+    if most is None or len(sweep.frame) <= most:
+        return sweep
+    ordered = sweep.frame.sort_values(SORT_KEYS, kind="stable")
+    last = len(ordered) - 1
+    picked = sorted({round(i * last / max(most - 1, 1)) for i in range(most)})
+    frame = ordered.iloc[picked]
+    per_rank = sweep.per_rank
+    if per_rank is not None:
+        per_rank = per_rank[per_rank["trial"].isin(set(frame["trial"]))]
+    return dataclasses.replace(sweep, frame=frame, per_rank=per_rank)
 
 
 def _figure_files(figures: PageFigures, drawn: list, memory_kinds: list[str]) -> dict[str, bytes]:
@@ -142,12 +169,12 @@ def _loggers(folder: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def write_html_report(output_dir: Path) -> Path:
+def write_html_report(output_dir: Path, figure_rows: Optional[int] = None) -> Path:
     """Write OUTPUT_DIR/report.html (atomically) and its figure files from the folder's tables; return the
-    page's path."""
+    page's path. `figure_rows`: as for render."""
     output_dir = Path(output_dir)
     path = output_dir / REPORT_FILE
-    page, files = render(output_dir)
+    page, files = render(output_dir, figure_rows)
     atomic_write(path, page)
     for name, png in files.items():
         (output_dir / name).write_bytes(png)

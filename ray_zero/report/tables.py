@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pandas as pd
 
@@ -129,10 +129,10 @@ def _recalibrate(output_dir: Path, rows: list[dict], experiment: dict) -> dict |
     )
 
 
-def write_pages(output_dir: Path, frame: pd.DataFrame) -> None:
+def write_pages(output_dir: Path, frame: pd.DataFrame, figure_rows: Optional[int] = None) -> None:
     """The report page and its figure files (page.FIGURE_FILES). The page reads the tables just written,
-    not `frame`."""
-    write_html_report(output_dir)
+    not `frame`; `figure_rows`: the figures drawn from at most that many rows (page.render)."""
+    write_html_report(output_dir, figure_rows)
 
 
 def console_table(frame: pd.DataFrame, width: int = 120) -> str:

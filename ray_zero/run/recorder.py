@@ -58,8 +58,11 @@ def trial_summary(row: dict[str, Any]) -> str:
 
 DRAW_SHARE = 0.02
 """Drawing takes at most this share of the sweep's time: the next drawing waits the last one's CPU time
-over DRAW_SHARE when that is longer than refresh_s. The pages' cost grows with the rows, so this share sets
-the driver's drawing per row at the end of a long sweep (bench/driver_bench.md)."""
+over DRAW_SHARE when that is longer than refresh_s (bench/driver_bench.md)."""
+FIGURE_ROWS = 48
+"""While a sweep runs, the page's figures are drawn from at most this many rows (spread over the table's
+order), so a drawing costs the same at row 50 and row 500; the tables, and the last drawing, hold every
+row."""
 
 
 class Recorder:
@@ -122,7 +125,7 @@ class Recorder:
         frame = write_results(self.output_dir, load_trials(self.output_dir), read_provenance(self.output_dir))
         try:
             if self.pages:
-                write_pages(self.output_dir, frame)
+                write_pages(self.output_dir, frame, FIGURE_ROWS)
         except Exception as error:  # the tables are written; a figure must not end the sweep
             log.warning(
                 f"plots and report.html not written ({type(error).__name__}: {error}); "
