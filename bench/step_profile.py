@@ -22,6 +22,7 @@ import os
 import pstats
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -76,6 +77,51 @@ def profile_engine(spec, device, ours: str) -> dict:
     }
 
 
+def bare_deepspeed_step_s(spec, device, steps: int = 100, warmup: int = 30) -> float:
+    """Seconds a step of a plain DeepSpeed loop takes (forward and loss, engine.backward, engine.step: what
+    a user's own script does), with the module, batches and DeepSpeed config ray_zero's trial has: the
+    floor a ray_zero step is compared with (issue 53: at most 1.5x on a GPU)."""
+    import deepspeed
+    import torch
+
+    from ray_zero.models.describe import build_model_spec
+    from ray_zero.train.data import synthetic_batches
+    from ray_zero.train.ds_config import deepspeed_config
+    from ray_zero.train.precision import cast_float_buffers
+    from ray_zero.train.settings import EngineSettings
+
+    experiment = spec.experiment
+    torch.manual_seed(experiment.seed)
+    model = build_model_spec(experiment.model_source())
+    model.module.to(device).train()
+    settings = EngineSettings.for_trial(spec, 1)
+    cast_float_buffers(model.module, settings.precision, keep_norms=False)  # as DeepSpeedEngine does
+    engine, _, _, _ = deepspeed.initialize(
+        model=model.module,
+        model_parameters=[p for p in model.module.parameters() if p.requires_grad],
+        config=deepspeed_config(settings, model.module, device),
+    )
+    batches = synthetic_batches(model.make_batch, spec.point.micro_batch_size, 4, experiment.seed, device)
+
+    def step(index: int) -> None:
+        loss = model.loss(engine, batches[index % len(batches)])
+        engine.backward(loss)
+        engine.step()
+
+    for index in range(warmup):
+        step(index)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    for index in range(steps):
+        step(index)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    engine.destroy()
+    return elapsed / steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--experiment", default="experiments/quick.yaml")
@@ -86,6 +132,10 @@ def main() -> None:
     parser.add_argument("--label", default="this")
     parser.add_argument("--output", required=True)
     parser.add_argument("--engine", help="BACKEND,STAGE: profile this one here (the script runs each so)")
+    parser.add_argument(
+        "--bare", action="store_true", help="DeepSpeed's engines: also time a plain DeepSpeed loop's step"
+    )
+    parser.add_argument("--engines", help="BACKEND,STAGE;...: these engines only (default: four)")
     args = parser.parse_args()
     args.set = args.set or SEED
     checkout = str(Path(args.checkout).resolve())
@@ -93,7 +143,8 @@ def main() -> None:
     gpu = args.device == "gpu"
     if args.engine is None:  # each engine in its own process
         out = {"checkout": checkout, "settings": args.set, "micro_batch": args.micro_batch, "engines": {}}
-        for backend, stage in ENGINES:
+        engines = [tuple(e.split(",")) for e in args.engines.split(";")] if args.engines else ENGINES
+        for backend, stage in engines:
             command = [sys.executable, __file__, *sys.argv[1:], "--engine", f"{backend},{stage}"]
             answer = subprocess.run(command, capture_output=True, text=True, check=True).stdout
             out["engines"][f"{backend}_{stage}"] = profiled = json.loads(answer.splitlines()[-1])
@@ -104,6 +155,12 @@ def main() -> None:
                 f"({ours / profiled['profiled_step_s']:.1%})",
                 flush=True,
             )
+            if "bare_step_s" in profiled:
+                print(
+                    f"    plain DeepSpeed loop: step {profiled['bare_step_s'] * 1e3:.2f} ms; ray_zero's "
+                    f"{profiled['step_s'] / profiled['bare_step_s']:.3f}x of it",
+                    flush=True,
+                )
             for name, seconds in list(profiled["ray_zero_functions_s"].items())[:6]:
                 print(f"    {seconds * 1e6:7.1f} us  {name}")
         Path(args.output).mkdir(parents=True, exist_ok=True)
@@ -131,6 +188,8 @@ def main() -> None:
     plain = train(spec, 0, 1, device)  # unprofiled first: the process's one-off costs are paid there
     profiled = profile_engine(spec, device, os.path.join(checkout, "ray_zero") + os.sep)
     profiled["step_s"] = plain["timed_s"] / plain["timed_steps"]
+    if args.bare and backend == "deepspeed":
+        profiled["bare_step_s"] = bare_deepspeed_step_s(spec, device)
     dist.destroy_process_group()
     print(json.dumps(profiled))
 
