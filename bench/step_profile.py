@@ -77,10 +77,10 @@ def profile_engine(spec, device, ours: str) -> dict:
     }
 
 
-def bare_deepspeed_step_s(spec, device, steps: int = 100, warmup: int = 30) -> float:
+def bare_deepspeed_step_s(spec, device) -> float:
     """Seconds a step of a plain DeepSpeed loop takes (forward and loss, engine.backward, engine.step: what
-    a user's own script does), with the module, batches and DeepSpeed config ray_zero's trial has: the
-    floor a ray_zero step is compared with (issue 53: at most 1.5x on a GPU)."""
+    a user's own script does), with the module, batches, DeepSpeed config and warm-up and timed steps
+    ray_zero's trial has: the floor a ray_zero step is compared with (issue 53: at most 1.5x on a GPU)."""
     import deepspeed
     import torch
 
@@ -89,6 +89,7 @@ def bare_deepspeed_step_s(spec, device, steps: int = 100, warmup: int = 30) -> f
     from ray_zero.train.ds_config import deepspeed_config
     from ray_zero.train.precision import cast_float_buffers
     from ray_zero.train.settings import EngineSettings
+    from ray_zero.train.worker import SYNTHETIC_BATCHES
 
     experiment = spec.experiment
     torch.manual_seed(experiment.seed)
@@ -101,7 +102,9 @@ def bare_deepspeed_step_s(spec, device, steps: int = 100, warmup: int = 30) -> f
         model_parameters=[p for p in model.module.parameters() if p.requires_grad],
         config=deepspeed_config(settings, model.module, device),
     )
-    batches = synthetic_batches(model.make_batch, spec.point.micro_batch_size, 4, experiment.seed, device)
+    micro = spec.point.micro_batch_size
+    batches = synthetic_batches(model.make_batch, micro, SYNTHETIC_BATCHES, experiment.seed, device)
+    warmup, steps = experiment.warmup_steps, experiment.steps - experiment.warmup_steps
 
     def step(index: int) -> None:
         loss = model.loss(engine, batches[index % len(batches)])
