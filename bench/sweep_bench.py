@@ -103,6 +103,39 @@ def compare(runs: dict[str, list[Path]]) -> pd.DataFrame:
     return pd.DataFrame(table)
 
 
+def against_alone(runs: dict[str, list[Path]]) -> pd.DataFrame:
+    """Per new run and grid point: samples/s over the old side's median, the row's step_spread, and
+    whether the ratio is within 10 % and within that spread (issue 53's rule, judged run by run)."""
+    old_rows = [_rows(folder) for folder in runs["old"]]
+    table = []
+    for folder in runs["new"]:
+        for name, row in sorted(_rows(folder).items()):
+            alone = _median([run[name].get("samples_per_s") for run in old_rows if name in run])
+            rate, spread = row.get("samples_per_s"), row.get("step_spread")
+            if is_calibration(name) or not alone or not rate:
+                continue
+            ratio = rate / alone
+            table.append(
+                {
+                    "run": folder.name,
+                    "trial": name,
+                    "samples_per_s": rate,
+                    "alone": alone,
+                    "ratio": round(ratio, 3),
+                    "step_spread": spread,
+                    "timing_unstable": row.get("timing_unstable"),
+                    "within_10pct": abs(ratio - 1) <= 0.10,
+                    "within_spread": spread is not None and spread == spread and abs(ratio - 1) <= spread,
+                }
+            )
+    return pd.DataFrame(table)
+
+
+def _counts(table: pd.DataFrame, column: str) -> str:
+    groups = table.groupby("run", sort=False)
+    return ", ".join(f"{run} {int(g[column].sum())} of {len(g)}" for run, g in groups)
+
+
 def read_gpu_log(output: Path) -> pd.DataFrame:
     """Every gpu_log*.csv in `output` (nvidia-smi, GPU_LOG_QUERY): time (epoch s), SM MHz, util %."""
     frames = []
@@ -198,6 +231,20 @@ def summary(output: Path, command: str, old_label: Optional[str] = None) -> str:
         )
         + f"; trials that measured while another measured or set up on their GPU (new runs): {overlaps}",
     ]
+    against = against_alone(runs)
+    if len(against):
+        lines += [
+            "",
+            "Each new run's grid points against the old side's median (strictly alone with "
+            "`--old-set runtime.overlap_startup=false --old-set runtime.max_trials_per_gpu=1`): "
+            "samples/s ratio, the new row's own step_spread (interquartile range over median), and whether "
+            "the ratio is within 10 % and within that spread",
+            "",
+            markdown_table(against, list(against.columns)),
+            "",
+            "Within 10 %: " + _counts(against, "within_10pct") + "; within own spread: "
+            + _counts(against, "within_spread"),
+        ]
     gpu = timed_window_gpu(runs, read_gpu_log(output))
     if len(gpu):
         lines += [
@@ -247,6 +294,10 @@ def main(argv=None) -> int:
         "--new-set", dest="new_overrides", action="append", default=[],
         help="an override for the new side only (a setting the old checkout does not have)",
     )
+    parser.add_argument(
+        "--only", choices=("old", "new"),
+        help="run this side only (e.g. a second new run against the alone run already in --output)",
+    )
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument(
         "--gpu-log", action="store_true",
@@ -281,6 +332,8 @@ def main(argv=None) -> int:
             sampler = subprocess.Popen(query, stdout=log, stderr=subprocess.STDOUT)
         for pair in range(first_pair, first_pair + args.pairs):  # a later call goes on numbering
             for side in ("old", "new") if pair % 2 else ("new", "old"):
+                if args.only and side != args.only:
+                    continue
                 code, overrides = sides[side]
                 wall = run_sweep(code, experiment, output / f"{side}-{pair}", overrides)
                 with open(recorded, "a") as record:
