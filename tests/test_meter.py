@@ -3,8 +3,11 @@ and the opt-in host diagnostics."""
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
+import pytest
 import torch
 from torch import nn
 
@@ -24,6 +27,21 @@ def test_saved_for_backward_counts_activations_once_and_not_the_weights():
     # ReLU's output for the second linear: about n * (64 + 256 + 256) floats, no weight (64 K floats).
     assert 8 * 320 * 4 <= small.bytes <= 8 * 600 * 4
     assert large.bytes == 4 * small.bytes  # linear in the micro-batch
+
+
+def test_a_forward_that_fails_before_its_backward_leaves_no_saved_tensor_alive():
+    model, saved, kept = nn.Linear(64, 256), SavedForBackward(), []
+
+    def failing_forward() -> None:
+        out = model(torch.randn(8, 64)).relu()  # ReLU saves its own output
+        kept.append(weakref.ref(out))
+        raise torch.OutOfMemoryError("out of memory inside the forward")
+
+    with pytest.raises(torch.OutOfMemoryError), saved():
+        failing_forward()
+    gc.collect()
+    # Packed as itself, the output would refer to the node that saved it: alive after the failure.
+    assert kept[0]() is None and saved.bytes > 0
 
 
 def test_meter_memory_after_phases_grows_with_what_is_allocated_and_the_rate_is_measured():

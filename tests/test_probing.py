@@ -94,6 +94,23 @@ def leaky_model() -> ModelSpec:
     return ModelSpec(module, make_batch, loss)
 
 
+def runs_out_in_its_forward() -> ModelSpec:
+    """A model that runs out of memory inside the forward from 1,024 samples on, after its ReLU has saved
+    its output (2,048 samples: 512 MiB) for a backward that never comes."""
+    module = torch.nn.Linear(64, 65536)
+
+    def make_batch(n: int, device: torch.device, generator: torch.Generator) -> torch.Tensor:
+        return torch.randn(n, 64, generator=generator).to(device)
+
+    def loss(model, batch: torch.Tensor) -> torch.Tensor:
+        out = model(batch).relu()
+        if batch.shape[0] >= 1024:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (inside the forward)")
+        return out.pow(2).mean()
+
+    return ModelSpec(module, make_batch, loss)
+
+
 @pytest.fixture(scope="module")
 def own_rank():
     group = RankGroup(1)  # not the session's: its first training must be the process's first
@@ -188,6 +205,21 @@ def test_memory_left_after_an_out_of_memory_probe_ends_the_run(own_rank):
     # Two steps' outputs (2 x 1,024 x 65,536 floats, 512 MiB) stay referenced after the teardown.
     assert end == "leak" and [p["probe_status"] for p in probes] == ["oom"]
     assert probes[0]["left_bytes"] > LEAK_TOLERANCE_BYTES
+
+
+def test_running_out_inside_the_measured_forward_frees_what_it_saved(own_rank):
+    experiment = experiment_of(
+        FIT, f"model={Path(__file__).resolve()}:runs_out_in_its_forward", "seq_len=null", "model_config={}"
+    ).probe(3)
+    # 512 fits; the line reaches for 2,048, and the bracket then asks for sizes down to 1,024: each runs
+    # out in the first step's forward, the micro-batch whose saved tensors are counted (train/steps.py).
+    search = SearchSpec(trial_spec(experiment, Point("deepspeed", 1, 512, 1)), 8.0, Steps(512, 2048))
+    end, probes = own_rank.call(search_only, search, timeout=300)[0]
+    assert [(p["micro_batch_size"], p["probe_status"]) for p in probes[:2]] == [(512, "ok"), (2048, "oom")]
+    assert {(p["probe_status"], p["phase"]) for p in probes[1:]} == {("oom", "step 0")}
+    assert probes[-1]["micro_batch_size"] == 1024
+    # The run went on after each (a leak would end it): what they saved was freed with their frames.
+    assert end == "done" and max(p["left_bytes"] for p in probes[1:]) < 64 * MIB
 
 
 def churn_and_release(rank: int, world_size: int) -> tuple[float, float, float]:

@@ -138,7 +138,10 @@ class Memory:
 class SavedForBackward:
     """Bytes of the tensors autograd saves for backward during a forward pass, each storage once and
     parameters left out (leaves that require gradients: the module's own, or the ones FSDP2 gathers):
-    the activations one micro-batch keeps (torch.autograd.graph.saved_tensors_hooks)."""
+    the activations one micro-batch keeps (torch.autograd.graph.saved_tensors_hooks). What is packed is
+    a detached view: an output packed as itself refers to the node that saved it, a cycle through C++
+    that Python's collector cannot see, so a forward that fails before its backward (out of memory)
+    would keep every saved tensor alive."""
 
     def __init__(self):
         self._seen: set[tuple[str, int]] = set()
@@ -152,11 +155,11 @@ class SavedForBackward:
             storage = tensor.untyped_storage()
             key = (str(tensor.device), storage.data_ptr())
         except RuntimeError:  # a tensor subclass without storage of its own (a DTensor's wrapper)
-            return tensor
+            return tensor.detach()
         if key not in self._seen:
             self._seen.add(key)
             self.bytes += storage.nbytes()
-        return tensor
+        return tensor.detach()
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[None]:
