@@ -1,8 +1,9 @@
 """`fit` end to end through Ray on CPU: a tiny GPT-2 at seq_len 512 whose activations dominate its memory
-(each worker's peak resident set grows by about 0.3 GiB per 32 samples). One search (DeepSpeed stage 1)
-finds the largest micro-batch within the budget, bracketed by its own probes, all in one Ray Train run;
-a second search (stage 2) loses its worker (killed) and goes on in a fresh run, where its probe fails for
-another reason than memory: that ends that search alone. The best config then trains in a fresh
+(each worker's peak resident set grows by about 0.3 GiB per 32 samples). One search at a time, so the
+two searches (DeepSpeed stages 1 and 2, one worker each) share one Ray Train run: stage 1 finds the
+largest micro-batch within the budget, bracketed by its own probes; then stage 2 loses its worker
+(killed) and goes on in a fresh run, where its probe fails for another reason than memory: that ends
+that search alone. The best config then trains in a fresh
 `deepspeed.initialize` on a rank of the harness. In-process probing at rank level: tests/test_probing.py;
 the search's logic against exhaustive tables, without trials: tests/test_fit_search.py."""
 
@@ -34,6 +35,7 @@ def fit(ray_instance, tmp_path_factory):
         [
             "grid.stage=[1,2]",
             "runtime.max_failures=1",
+            "runtime.max_concurrent_trials=1",
             "fault=[{kind: sigkill, stage: 2, step: 1, attempts: 1}, {kind: error, stage: 2, step: 1}]",
         ],
     )
@@ -75,9 +77,12 @@ def test_a_failing_probe_ends_only_its_own_search(fit):
     assert "injected error" in table.loc[2, "note"] and pd.isna(table.loc[2, "max_micro_batch"])
     assert table.loc[2, "probes"] == 1 and list(rows[rows["stage"] == 2]["status"]) == ["failed"]
     assert not pd.isna(table.loc[1, "max_micro_batch"])
-    # The killed worker's probe ran again in the search's second run, where the injected error ended it.
+    # Stage 2's search began in stage 1's run, after it: its killed worker's probe ran again in the
+    # group's second run, where the injected error ended it.
     failed = [r for r in _records(output) if r["stage"] == 2]
-    assert len(failed) == 1 and failed[0]["run"].endswith("-run2")
+    first_run = {r["run"] for r in _records(output) if r["stage"] == 1}.pop()
+    assert first_run.endswith("stage1_w1+1-run1"), first_run
+    assert len(failed) == 1 and failed[0]["run"] == first_run.replace("-run1", "-run2")
 
 
 def _records(output) -> list[dict]:

@@ -224,3 +224,31 @@ def test_a_prediction_the_first_probe_confirms_ends_the_search_there():
     missed = BracketSearch(budget, steps, 96, predicted={m: p * 0.9 for m, p in peaks.items()}.get)
     missed.record(96, "ok", peaks[96])
     assert missed.next_probe() == 192  # no slope measured yet: it reaches for twice the size, as before
+
+
+def test_searches_that_share_their_workers_share_a_run_unless_there_is_room_for_more():
+    from conftest import ROOT
+    from rank_group import experiment_of, trial_spec
+
+    from ray_zero.config import Point
+    from ray_zero.run.fit import in_runs
+    from ray_zero.train.probing import SearchSpec
+
+    experiment = experiment_of(ROOT / "experiments" / "fit_gpt2_cpu.yaml")
+    points = [
+        Point("deepspeed", 0, 1, 1),
+        Point("deepspeed", 1, 1, 1),
+        Point("deepspeed", 2, 1, 2),
+        Point("fsdp", 3, 1, 1),
+        Point("deepspeed", 3, 1, 1),
+    ]
+    searches = [SearchSpec(trial_spec(experiment, p), 1.0, Steps(1, 8)) for p in points]
+
+    def names(drivers: int) -> list[list[str]]:
+        return [[s.name for s in run] for run in in_runs(searches, drivers)]
+
+    # One run at a time (one GPU): one run per engine and worker count, the searches in their order.
+    assert names(1) == [["stage0_w1", "stage1_w1", "stage3_w1"], ["stage2_w2"], ["fsdp_stage3_w1"]]
+    # Room for more runs at once: the largest group is split until there is a run for each.
+    assert names(4) == [["stage0_w1"], ["stage1_w1", "stage3_w1"], ["stage2_w2"], ["fsdp_stage3_w1"]]
+    assert sorted(map(len, names(8))) == [1] * 5

@@ -4,11 +4,13 @@ grid, and the fastest of them exported as the config to train with.
 One search (ray_zero/measure/search.py) per point, all its probes inside one Ray Train run (run/
 search_trial.py drives it from a thread of this process; train/probing.py runs it on the ranks): the
 ranks build the model once and train each probe's few steps in a fresh engine, a row of the same tables
-as a sweep's trial; searches of different points run side by side where the cluster has room. The
-search's calibration (GPU, a model that is not a preset) comes first and its answer's timed run last,
-in the same run. Writes fit.csv, fit.md (with the run each probe ran in), best_ds_config.json (the
-DeepSpeed config the fastest DeepSpeed rank passed to deepspeed.initialize), best_config.json,
-best_experiment.yaml + best_command.txt, fit.png (run/fit_tables.py).
+as a sweep's trial. Searches run side by side where the cluster has room; where it has less room than
+searches, those whose points share their workers (engine and worker count) share a run, one after
+another, and pay its start once. The search's calibration (GPU, a model that is not a preset) comes
+first and its answer's timed run last, in the same run. Writes fit.csv, fit.md (with the run each probe
+ran in), best_ds_config.json (the DeepSpeed config the fastest DeepSpeed rank passed to
+deepspeed.initialize), best_config.json, best_experiment.yaml + best_command.txt, fit.png
+(run/fit_tables.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ray_zero.report.frame import markdown_table
 from ray_zero.rows import one_line_reason, trial_row
 from ray_zero.run.fit_tables import key_of_row, keys_of, write_fit
 from ray_zero.run.recorder import Recorder
-from ray_zero.run.search_trial import SearchState, drive_search, search_name
+from ray_zero.run.search_trial import SearchState, drive_searches
 from ray_zero.run.session import Session
 from ray_zero.run.sweep import SweepIncomplete
 from ray_zero.store import load_trials
@@ -110,13 +112,29 @@ def run_fit(
         return frame
 
 
+def in_runs(searches: list[SearchSpec], drivers: int) -> list[list[SearchSpec]]:
+    """The searches grouped into runs: those whose points share their workers (engine, worker count) in one
+    run, in order; a group split in halves while there are fewer runs than `drivers` (runs at once)."""
+    groups: dict[tuple, list[SearchSpec]] = {}
+    for search in searches:
+        point = search.spec.point
+        groups.setdefault((point.backend, point.num_workers), []).append(search)
+    runs = list(groups.values())
+    while len(runs) < drivers and any(len(run) > 1 for run in runs):
+        largest = max(runs, key=len)
+        at = runs.index(largest)
+        runs[at : at + 1] = [largest[: len(largest) // 2], largest[len(largest) // 2 :]]
+    return runs
+
+
 def run_searches(session: Session, searches: list[SearchSpec], recorder: Recorder) -> None:
-    """Drive every search from a thread of this process (ray_zero/run/search_trial.py), as many at once as
-    the plan runs trials; each row recorded as it comes. A driver that fails itself (a bug, Ray gone)
-    leaves a failed row for its search, and the others go on."""
+    """Drive the searches' runs (`in_runs`) from threads of this process (ray_zero/run/search_trial.py), as
+    many at once as the plan runs trials; each row recorded as it comes. A driver that fails itself (a
+    bug, Ray gone) leaves a failed row for each search it had not finished, and the others go on."""
     log = ray.get_actor(session.log_name)
     lock = threading.Lock()
-    waiting, running = list(searches), [0]
+    drivers = session.plan.trial_drivers
+    waiting, running = in_runs(searches, drivers), [0]
     stamp = int(time.time())
 
     def record(row: dict[str, Any]) -> None:
@@ -128,25 +146,29 @@ def run_searches(session: Session, searches: list[SearchSpec], recorder: Recorde
             with lock:
                 if not waiting:
                     return
-                search = waiting.pop(0)
+                group = waiting.pop(0)
                 running[0] += 1
+            name = group[0].name + (f"+{len(group) - 1}" if len(group) > 1 else "")
+            states = [SearchState(search) for search in group]
             try:
-                drive_search(search, f"fit{stamp}-{search_name(search)}", log, record)
-            except Exception as error:  # noqa: BLE001  one search's driver: the others go on
-                record(
-                    {
-                        **trial_row(search.spec),
-                        "status": "failed",
-                        "error": f"the search's driver failed: {one_line_reason(error)}",
-                    }
-                )
+                drive_searches(states, f"fit{stamp}-{name}", log, record)
+            except Exception as error:  # noqa: BLE001  one run's driver: the others go on
+                for state in states:
+                    if not state.ended and state.in_flight() is not None:
+                        record(
+                            {
+                                **trial_row(state.search.spec),
+                                "status": "failed",
+                                "error": f"the search's driver failed: {one_line_reason(error)}",
+                            }
+                        )
             finally:
                 with lock:
                     running[0] -= 1
 
     threads = [
         threading.Thread(target=driver, name=f"ray_zero fit driver {i}", daemon=True)
-        for i in range(min(len(searches), session.plan.trial_drivers))
+        for i in range(min(len(waiting), drivers))
     ]
     for thread in threads:
         thread.start()

@@ -84,8 +84,9 @@ def write_fit(
     frame = pd.DataFrame(table)
     out = session.output_dir
     atomic_write(out / "fit.csv", frame.drop(columns=["timed_trial"]).to_csv(index=False))
-    # Each probe (and calibration or timed run) with the Ray Train run it ran in: one per search, unless a
-    # run ended early (out of memory at several workers, memory left in use, a worker that died).
+    # Each probe (and calibration or timed run) with the Ray Train run it ran in: one per search, or per
+    # group of searches that share a run, unless a run ended early (out of memory at several workers,
+    # memory left in use, a worker that died).
     probes = pd.DataFrame(
         [
             {

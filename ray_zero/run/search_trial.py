@@ -1,16 +1,18 @@
-"""One search of `fit` = one `TorchTrainer` run (more only when a run ends early), driven from a thread
-of fit's own process.
+"""`fit`'s searches in `TorchTrainer` runs, driven from a thread of fit's own process: the searches whose
+points share their workers (ray_zero/run/fit.py groups them) in one run, one after another, more runs
+only when a run ends early.
 
-`search_loop` runs on every worker: `ray_zero.train.probing.run_search` probes micro-batch after micro-batch,
-each probe a `ray.train.report`. `drive_search` is its driver: it starts the run, turns each probe's
-all-rank report (the trial log, ray_zero/run/trial.py) into a results row (the row a sweep's trial makes) as
-it arrives, and hands it to `record`. No Tune: a search is one long run whose rows come while it trains,
-and fit's process already holds what a Tune trial's process would import again. A run can end before
-its search does: a rank out of memory with several workers, an out-of-memory probe that left memory in
-use, a worker that died. The driver then knows which probe was in flight (the search is deterministic:
-it replays the recorded rows), records it, and goes on in a fresh run (out of memory), tries it again in
-one (a died worker, up to `runtime.max_failures` times), or ends the search (any other failure). Public
-Ray API only.
+`search_loop` runs on every worker: `ray_zero.train.probing.run_searches` probes micro-batch after
+micro-batch, each probe a `ray.train.report` that names its search. `drive_searches` is their driver: it
+starts the run, turns each probe's all-rank report (the trial log, ray_zero/run/trial.py) into a results
+row (the row a sweep's trial makes) as it arrives, and hands it to `record`. No Tune: a run is long and
+its rows come while it trains, and fit's process already holds what a Tune trial's process would import
+again. A run can end before its searches do: a rank out of memory with several workers, an
+out-of-memory probe that left memory in use, a worker that died. The driver then knows which probe was in
+flight (the searches run in order and are deterministic: each replays its recorded rows), records it,
+and goes on in a fresh run with the searches left (out of memory), tries that probe again in one (a died
+worker, up to `runtime.max_failures` times per group), or ends that search (any other failure) and goes on
+with the others. Public Ray API only.
 """
 
 from __future__ import annotations
@@ -35,31 +37,25 @@ POLL_S = 0.5
 """How often the driver looks for new probe reports while its run trains."""
 
 
-def search_name(search: SearchSpec) -> str:
-    """The search's point without its micro-batch: stage1_w1, fsdp_stage3_w2_ac."""
-    point = search.spec.point
-    return point.name.replace(f"_mb{point.micro_batch_size}", "")
-
-
 def search_loop(config: dict[str, Any]) -> None:
-    """Ray Train entry point on every worker: this rank's part of the search, one report per probe."""
+    """Ray Train entry point on every worker: this rank's part of the searches, one report per probe."""
     import ray.train
     import ray.train.torch
     import torch
 
-    from ray_zero.train.probing import run_search
+    from ray_zero.train.probing import run_searches
 
-    search: SearchSpec = config["search"]
+    searches: list[SearchSpec] = config["searches"]
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     attempt = ray.get(config["log"].started.remote(config["log_key"], rank))
-    device = ray.train.torch.get_device() if search.spec.use_gpu else torch.device("cpu")
+    device = ray.train.torch.get_device() if searches[0].spec.use_gpu else torch.device("cpu")
     node = ray.get_runtime_context().get_node_id()
 
     def report(result: dict[str, Any]) -> None:
         ray.train.report({**result, "node_id": node, "pid": os.getpid(), "run": config["run"]})
 
-    run_search(search, rank, world_size, device, report, attempt=attempt)
+    run_searches(searches, rank, world_size, device, report, attempt=attempt)
 
 
 def recorded(row: dict[str, Any]) -> RecordedProbe:
@@ -85,6 +81,8 @@ class SearchState:
     def __init__(self, search: SearchSpec):
         self.search = search
         self.rows: list[dict[str, Any]] = []
+        self.ended = False
+        """A failure other than memory ended the search (its driver recorded the failed row)."""
 
     def add(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -107,6 +105,8 @@ class SearchState:
     def in_flight(self) -> Optional[tuple[int, str]]:
         """(micro-batch, label) of the next probe the search would run: the one a run that ended early
         was on. None: the search is done."""
+        if self.ended:
+            return None
         search = self.for_next_run()
         if search.needs_calibration():
             done = {r["micro_batch_size"] for r in self.rows if is_calibration(r["trial"])}
@@ -157,26 +157,33 @@ def _row(search: SearchSpec, ranks: list[dict[str, Any]], started_at: float) -> 
     if oom:
         row["error"] = oom[0].get("error")
     row["per_rank"] = [
-        {"trial": spec.name, **{k: v for k, v in r.items() if k not in ("diagnostics", "error")}}
+        {"trial": spec.name, **{k: v for k, v in r.items() if k not in ("diagnostics", "error", "search")}}
         for r in ranks
     ]
     return row
 
 
-def drive_search(search: SearchSpec, key: str, log, record: Callable[[dict[str, Any]], None]) -> None:
-    """Run one search to its end, in as few TorchTrainer runs as it takes; `record(row)` gets each probe's
-    row as it comes. `key` names the search's runs (unique within the trial log `log`)."""
-    train_environment(search.spec.private_ray)
-    state = SearchState(search)
+def drive_searches(
+    searches: list[SearchState], key: str, log, record: Callable[[dict[str, Any]], None]
+) -> None:
+    """Run the searches (points that share their workers) to their ends, in order, in as few TorchTrainer
+    runs as it takes; `record(row)` gets each probe's row as it comes (and the search's state adds it).
+    `key` names the runs (unique within the trial log `log`)."""
+    first = searches[0].search.spec
+    train_environment(first.private_ray)
+    states = {state.search.name: state for state in searches}
     started_at = time.time()
     retries = 0
     for runs in range(1, 10**6):
+        left = [state for state in states.values() if state.in_flight() is not None]
+        if not left:
+            return
         run = f"{key}-run{runs}"
-        current = state.for_next_run()
+        current = [state.for_next_run() for state in left]
         trainer = torch_trainer(
             search_loop,
-            {"search": current, "log": log, "log_key": key, "run": run},
-            current.spec,
+            {"searches": current, "log": log, "log_key": key, "run": run},
+            current[0].spec,
             run,
             log,
             key,
@@ -196,11 +203,11 @@ def drive_search(search: SearchSpec, key: str, log, record: Callable[[dict[str, 
         reported = 0
         while thread.is_alive():
             thread.join(POLL_S)
-            reported += _take_rows(log, key, current, state, started_at, record)
-        reported += _take_rows(log, key, current, state, started_at, record)
-        flying = state.in_flight()
+            reported += _take_rows(log, key, states, started_at, record)
+        reported += _take_rows(log, key, states, started_at, record)
+        flying = next((state for state in left if state.in_flight() is not None), None)
         if flying is None:
-            return
+            continue  # every search of the run is done
         error = outcome.get("error")
         if error is None:
             if reported:
@@ -208,22 +215,22 @@ def drive_search(search: SearchSpec, key: str, log, record: Callable[[dict[str, 
             fields = {"status": "failed", "error": "the run ended without a probe's report"}
         else:
             fields = failure_fields(error)
-            if fields["status"] != "oom" and retries < search.spec.experiment.runtime.max_failures:
+            if fields["status"] != "oom" and retries < first.experiment.runtime.max_failures:
                 retries += 1  # a worker that died: the same probe again, in a fresh run
                 continue
-        micro, label = flying
-        row = trial_row(_spec(current, micro, label))
+        micro, label = flying.in_flight()
+        row = trial_row(_spec(flying.search, micro, label))
         row.update(fields, attempts=1, run=run, search_started_at=started_at, wall_s=None)
-        state.add(row)
+        flying.add(row)
         record(row)
-        if fields["status"] != "oom":
-            return  # any other failure ends the search
+        flying.ended = fields["status"] != "oom"  # any other failure ends that search
 
 
-def _take_rows(log, key: str, search: SearchSpec, state: SearchState, started_at: float, record) -> int:
+def _take_rows(log, key: str, states: dict[str, SearchState], started_at: float, record) -> int:
     reports = ray.get(log.take_reports.remote(key))
     for ranks in reports:
-        row = _row(search, ranks, started_at)
+        state = states[ranks[0]["search"]]
+        row = _row(state.search, ranks, started_at)
         state.add(row)
         record(row)
     return len(reports)

@@ -7,8 +7,9 @@ tensors freed, cycles collected, the CUDA cache emptied, or on CPU the freed hea
 system: glibc keeps it otherwise, and the next probe's resident set would start from this one's). All
 ranks take the same decisions: each probe's figures are all-gathered, and the search records the largest
 peak over ranks. Optionally the search's own calibration probes come first (their activations per sample
-give the first guess on GPU), and the answer's timed run last. No Ray here: the caller reports each
-probe (ray_zero/run/search_trial.py).
+give the first guess on GPU), and the answer's timed run last. `run_searches` runs several searches
+whose points share their workers one after another in the same process (fit on one GPU: every stage's
+search in one run). No Ray here: the caller reports each probe (ray_zero/run/search_trial.py).
 
 Out of memory inside the run: with one rank the probe's result says `oom`, the rank frees what it held
 and goes on if the memory in use is back within `LEAK_TOLERANCE_BYTES` of what it was before the probe;
@@ -77,6 +78,12 @@ class SearchSpec:
     calibration: Optional[dict] = None
     """An earlier run's calibration figures (`calibration.per_sample_bytes`; {}: measured, nothing found),
     so that they are not measured again; None: not measured yet."""
+
+    @property
+    def name(self) -> str:
+        """The search's point without its micro-batch: stage1_w1, fsdp_stage3_w2_ac."""
+        point = self.spec.point
+        return point.name.replace(f"_mb{point.micro_batch_size}", "")
 
     def at(
         self, micro_batch_size: int, experiment: Optional[Experiment] = None, label: str = ""
@@ -234,6 +241,25 @@ class _Leaked(Exception):
     """An out-of-memory probe left memory in use: this run's search stops here."""
 
 
+def run_searches(
+    searches: list[SearchSpec],
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    on_probe: Callable[[dict[str, Any]], None],
+    attempt: int = 1,
+) -> str:
+    """Run `searches` (one experiment, points that share their workers) one after another on this rank,
+    in one process and from one model build: a run's start is paid once for them all. Each probe's
+    result says its search (`search`: SearchSpec.name). Returns "done", or "leak" at the first search that
+    must go on in a fresh run (it and those after it are left to that run)."""
+    prober = Prober(searches[0].spec.experiment, rank, world_size, device, attempt)
+    for search in searches:
+        if run_search(search, rank, world_size, device, on_probe, attempt, prober) == "leak":
+            return "leak"
+    return "done"
+
+
 def run_search(
     search: SearchSpec,
     rank: int,
@@ -241,14 +267,17 @@ def run_search(
     device: torch.device,
     on_probe: Callable[[dict[str, Any]], None],
     attempt: int = 1,
+    prober: Optional[Prober] = None,
 ) -> str:
     """Run `search` on this rank: calibration probes (if asked), the probes, the timed run. `on_probe(result)`
     gets each probe's measurements of this rank (`Prober.probe`); every rank calls it as often. Returns
     "done", or "leak": an out-of-memory probe left memory in use, and the search goes on in a fresh run."""
-    prober = Prober(search.spec.experiment, rank, world_size, device, attempt)
+    prober = prober or Prober(search.spec.experiment, rank, world_size, device, attempt)
+    prober.first_guess = None
 
     def probe(spec: TrialSpec) -> list[dict[str, Any]]:
         result = prober.probe(spec)
+        result["search"] = search.name
         on_probe(result)  # first: the out-of-memory probe's row is kept
         ranks = _all_ranks(result, world_size)
         if any(r["probe_status"] == "oom" and r["left_bytes"] > LEAK_TOLERANCE_BYTES for r in ranks):
