@@ -129,12 +129,13 @@ def in_runs(searches: list[SearchSpec], drivers: int) -> list[list[SearchSpec]]:
 
 def run_searches(session: Session, searches: list[SearchSpec], recorder: Recorder) -> None:
     """Drive the searches' runs (`in_runs`) from threads of this process (ray_zero/run/search_trial.py), as
-    many at once as the plan runs trials; each row recorded as it comes. A driver that fails itself (a
-    bug, Ray gone) leaves a failed row for each search it had not finished, and the others go on."""
+    many at once as the plan runs trials (one more may start early); each row recorded as it comes. A
+    driver that fails itself (a bug, Ray gone) leaves a failed row for each search it had not finished,
+    and the others go on."""
     log = ray.get_actor(session.log_name)
     lock = threading.Lock()
-    drivers = session.plan.trial_drivers
-    waiting, running = in_runs(searches, drivers), [0]
+    # Grouped by the runs that train at once: a run started early would only wait for the GPU.
+    waiting, running = in_runs(searches, session.plan.max_concurrent_trials), [0]
     stamp = int(time.time())
 
     def record(row: dict[str, Any]) -> None:
@@ -168,7 +169,7 @@ def run_searches(session: Session, searches: list[SearchSpec], recorder: Recorde
 
     threads = [
         threading.Thread(target=driver, name=f"ray_zero fit driver {i}", daemon=True)
-        for i in range(min(len(waiting), drivers))
+        for i in range(min(len(waiting), session.plan.trial_drivers))
     ]
     for thread in threads:
         thread.start()
