@@ -35,6 +35,8 @@ from ray_zero.train.probing import RecordedProbe, SearchSpec, calibration_probes
 
 POLL_S = 0.5
 """How often the driver looks for new probe reports while its run trains."""
+REPORT_WAIT_S = 60.0
+"""How long a rank waits for the trial log to have its probe's report before it goes on regardless."""
 
 
 def search_loop(config: dict[str, Any]) -> None:
@@ -46,14 +48,24 @@ def search_loop(config: dict[str, Any]) -> None:
     from ray_zero.train.probing import run_searches
 
     searches: list[SearchSpec] = config["searches"]
+    log, key = config["log"], config["log_key"]
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
-    attempt = ray.get(config["log"].started.remote(config["log_key"], rank))
+    attempt = ray.get(log.started.remote(key, rank))
     device = ray.train.torch.get_device() if searches[0].spec.use_gpu else torch.device("cpu")
     node = ray.get_runtime_context().get_node_id()
+    reports = [ray.get(log.reports_received.remote(key))]
 
     def report(result: dict[str, Any]) -> None:
         ray.train.report({**result, "node_id": node, "pid": os.getpid(), "run": config["run"]})
+        # On to the next probe only once the trial log has this one: a report still queued in a worker
+        # that dies (the next probe's, or the next search's) never reaches the controller.
+        reports[0] += 1
+        waited = time.monotonic()
+        while ray.get(log.reports_received.remote(key)) < reports[0]:
+            if time.monotonic() - waited > REPORT_WAIT_S:
+                break  # the row may be lost; the driver then runs the probe again
+            time.sleep(POLL_S / 5)
 
     run_searches(searches, rank, world_size, device, report, attempt=attempt)
 

@@ -20,6 +20,7 @@ class TrialLog:
     def __init__(self):
         self._starts: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self._reports: dict[str, list[list[dict]]] = defaultdict(list)
+        self._received: dict[str, int] = defaultdict(int)
         self._ranks: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
         self._processes: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
         self._stopped: set[str] = set()
@@ -91,6 +92,11 @@ class TrialLog:
 
     def reported(self, trial: str, ranks: list[dict]) -> None:
         self._reports[trial].append(ranks)
+        self._received[trial] += 1
+
+    def reports_received(self, trial: str) -> int:
+        """All-rank reports of `trial` received so far, every run of it (fit's ranks wait on it)."""
+        return self._received[trial]
 
     def take(self, trial: str) -> tuple[Optional[list[dict]], int]:
         """The last all-rank report and the number of attempts that started, forgotten after."""
