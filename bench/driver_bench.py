@@ -4,7 +4,9 @@ A CPU sweep of many trials of a tiny factory model (examples/my_model.py, 2 step
 `ray_zero.sweep`, in this process, with the recorder's `record` (what Tune's callback runs for each
 finished trial, in the driver) timed row by row, and the driver process's CPU time between rows (Tune's
 work, the recorder's and its drawing thread's). Reports the first and the last 50 rows' figures (and the
-trials' own wall times), and whether the pages at the end equal what `report DIR` draws of the folder.
+trials' own wall times), Tune's experiment snapshots (their CPU time, timed around Tune's own
+`TuneController.save_to_dir`, not a public API: the lab's probe), and whether the pages at the end
+equal what `report DIR` draws of the folder.
 `--checkout DIR` runs another checkout's ray_zero the same way.
 
     nice python bench/driver_bench.py --trials 300 --output /tmp/driver-new
@@ -51,6 +53,20 @@ def main(argv=None) -> int:
         draws.append((time.thread_time() - started, self.finished, time.process_time()))
 
     recorder.Recorder.record, recorder.Recorder.draw = timed, timed_draw
+    snapshots: list[tuple[float, int, float]] = []  # Tune's experiment snapshots: CPU time, rows, process CPU
+    try:  # Tune's own (not public) snapshot of its state, timed where this Ray has it
+        from ray.tune.execution.tune_controller import TuneController
+
+        original_save = TuneController.save_to_dir
+
+        def timed_save(self):
+            started = time.thread_time()
+            original_save(self)
+            snapshots.append((time.thread_time() - started, len(spent), time.process_time()))
+
+        TuneController.save_to_dir = timed_save
+    except (ImportError, AttributeError):
+        pass
     sizes = list(range(1, args.trials + 1))
     experiment = {
         "name": "driver_bench",
@@ -74,8 +90,8 @@ def main(argv=None) -> int:
     first, last = statistics.median(record[:50]), statistics.median(record[-50:])
     per_row = [b - a for a, b in zip(driver_cpu, driver_cpu[1:])]  # the driver's CPU seconds per row
 
-    def drawing(start: float, end: float) -> float:  # drawing CPU seconds that ended between two rows
-        return sum(cpu for cpu, _, at in draws if start < at <= end)
+    def drawing(start: float, end: float, of=draws) -> float:  # CPU seconds that ended between two rows
+        return sum(cpu for cpu, _, at in of if start < at <= end)
 
     first_drawing = drawing(driver_cpu[0], driver_cpu[50]) / 50
     last_drawing = drawing(driver_cpu[-51], driver_cpu[-1]) / 50
@@ -105,13 +121,17 @@ def main(argv=None) -> int:
         "drawing_cpu_first50_per_row_s": first_drawing,
         "drawing_cpu_last50_per_row_s": last_drawing,
         "driver_and_drawing_cpu_per_row_by_50": by_50,
+        "tune_snapshot_cpu_first50_per_row_s": drawing(driver_cpu[0], driver_cpu[50], snapshots) / 50,
+        "tune_snapshot_cpu_last50_per_row_s": drawing(driver_cpu[-51], driver_cpu[-1], snapshots) / 50,
+        "tune_snapshots_rows_and_cpu_s": [[rows, cpu] for cpu, rows, _ in snapshots],
         "drawings": len(draws),
         "last_drawing_rows_and_cpu_s": [draws[-1][1], draws[-1][0]] if draws else None,
         "trial_wall_first50_median_s": statistics.median(walls[:50]),
         "trial_wall_last50_median_s": statistics.median(walls[-50:]),
         "pages_equal_report": same,
     }
-    record_file = {**summary, "record_s": spent, "draws": draws, "driver_cpu": driver_cpu}
+    record_file = {**summary, "record_s": spent, "draws": draws, "snapshots": snapshots}
+    record_file["driver_cpu"] = driver_cpu
     (args.output / "driver_bench.json").write_text(json.dumps(record_file, indent=1))
     print(json.dumps(summary, indent=1))
     return 0

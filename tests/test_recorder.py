@@ -60,3 +60,21 @@ def test_drawing_takes_at_most_its_share_of_the_sweeps_time(tmp_path, monkeypatc
     recorder.record(_row(4), running=0)
     recorder.wait()
     assert (tmp_path / "results.csv").read_text().count("stage1_mb") == 4
+
+
+def test_drawing_takes_at_most_its_cpu_seconds_per_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(recorder_module, "DRAW_SHARE", 1000.0)  # the share out of the way: rows only
+    monkeypatch.setattr(recorder_module, "DRAW_PER_ROW_S", 0.05)
+    recorder = SlowDrawing(tmp_path, str(tmp_path), total=100, pages=False, refresh_s=0.0)
+    recorder.record(_row(1), running=0)  # nothing drawn yet: due
+    recorder.wait()
+    rows_needed = recorder.draw_s / recorder_module.DRAW_PER_ROW_S  # at least 2 (0.1 s or more of CPU)
+    index = 1
+    while index - 1 < rows_needed - 1:
+        index += 1
+        recorder.record(_row(index), running=0)  # too few rows since the last drawing for its cost
+        recorder.wait()
+        assert (tmp_path / "results.csv").read_text().count("stage1_mb") == 1
+    recorder.record(_row(index + 1), running=0)
+    recorder.wait()
+    assert (tmp_path / "results.csv").read_text().count("stage1_mb") == index + 1

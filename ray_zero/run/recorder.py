@@ -59,6 +59,10 @@ def trial_summary(row: dict[str, Any]) -> str:
 DRAW_SHARE = 0.02
 """Drawing takes at most this share of the sweep's time: the next drawing waits the last one's CPU time
 over DRAW_SHARE when that is longer than refresh_s (bench/driver_bench.md)."""
+DRAW_PER_ROW_S = 0.1
+"""And at most this many CPU seconds per row: the next drawing also waits for as many rows as the last
+one's CPU time over DRAW_PER_ROW_S, so that rows that come more slowly (a slower host) do not buy more
+drawing per row (bench/driver_bench.md)."""
 FIGURE_ROWS = 48
 """While a sweep runs, the page's figures are drawn from at most this many rows (spread over the table's
 order), so a drawing costs the same at row 50 and row 500; the tables, and the last drawing, hold every
@@ -68,9 +72,9 @@ row."""
 class Recorder:
     """Records finished trials in the output folder: each row appended to trials.jsonl as it comes, with a
     line and the progress on the console; the tables, (with `pages`) the plots and report.html, and the
-    copy on the storage path drawn from trials.jsonl at most every `refresh_s` seconds and at most
-    DRAW_SHARE of the time, in a thread of their own, and once more at the sweep's end (Session.finish).
-    A row's own work stays the same however many rows came before it."""
+    copy on the storage path drawn from trials.jsonl at most every `refresh_s` seconds, at most
+    DRAW_SHARE of the time and DRAW_PER_ROW_S per row, in a thread of their own, and once more at the
+    sweep's end (Session.finish). A row's own work stays the same however many rows came before it."""
 
     def __init__(
         self,
@@ -87,6 +91,7 @@ class Recorder:
         self.draw_s = 0.0
         """The last drawing's CPU seconds (the next waits until they are DRAW_SHARE of the time)."""
         self.finished = len(load_trials(output_dir))  # a resumed sweep's rows, read once
+        self.drawn_rows = self.finished  # rows recorded when the last drawing began
         self._drawing: Optional[threading.Thread] = None
 
     def __getstate__(self) -> dict:  # Tune pickles its callbacks with the sweep's state: no thread
@@ -106,9 +111,12 @@ class Recorder:
         elapsed = time.time() - self.started
         log.info(f"{self.finished}{of} trials finished, {running} running, {elapsed:.0f} s")
         last = self.total is not None and self.finished >= self.total  # the session's finish draws it
-        due = time.time() - self.drawn_at >= max(self.refresh_s, self.draw_s / DRAW_SHARE)
+        due = (
+            time.time() - self.drawn_at >= max(self.refresh_s, self.draw_s / DRAW_SHARE)
+            and (self.finished - self.drawn_rows) * DRAW_PER_ROW_S >= self.draw_s
+        )
         if due and not last and (self._drawing is None or not self._drawing.is_alive()):
-            self.drawn_at = time.time()
+            self.drawn_at, self.drawn_rows = time.time(), self.finished
             self._drawing = threading.Thread(target=self.draw, name="ray_zero tables", daemon=True)
             self._drawing.start()
 
