@@ -33,7 +33,7 @@ from common import ROOT
 sys.path.insert(0, str(ROOT))
 
 from ray_zero.report.frame import markdown_table  # noqa: E402
-from ray_zero.store import read_experiment_file  # noqa: E402
+from ray_zero.store import load_trials, read_experiment_file  # noqa: E402
 
 POINT = ["backend", "stage", "num_workers", "activation_checkpointing", "offload_optimizer"]
 PROVENANCE = ("date", "python", "torch", "deepspeed", "ray", "cpu", "cluster")
@@ -74,12 +74,10 @@ def run_cli_fit(
         + ("-" if pd.isna(r["max_micro_batch"]) else str(int(r["max_micro_batch"])))
         for _, r in fit.iterrows()
     )
-    return {
-        "wall_s": round(wall, 1),
-        "answers": answers,
-        "probes": int(fit["probes"].sum()),
-        "runs": int(fit["runs"].sum()) if "runs" in fit else int(fit["probes"].sum()),
-    }
+    # Ray Train runs: distinct over the rows (searches may share one); older fits name none per row.
+    named = {r.get("run") for r in load_trials(output)} - {None}
+    runs = len(named) if named else int(fit["runs"].sum()) if "runs" in fit else int(fit["probes"].sum())
+    return {"wall_s": round(wall, 1), "answers": answers, "probes": int(fit["probes"].sum()), "runs": runs}
 
 
 def old_against_new(args, experiment: Path) -> pd.DataFrame:
