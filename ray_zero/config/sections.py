@@ -200,8 +200,9 @@ class Runtime(StrictModel):
     """Update the dashboard gauges (and the timed windows' rates) every this many steps."""
     refresh_s: float = Field(default=30.0, ge=0)
     """During a sweep, redraw the tables, plots and report.html (and the storage path's copy) at most every
-    this many seconds, and at most a fiftieth of the time, the figures from at most 48 rows, in a thread
-    beside the trials; always once at the end, from every row. 0: as often as that allows."""
+    this many seconds, at most a fiftieth of the time and 0.1 s of CPU per row, the figures from at most
+    48 rows, in a thread beside the trials; always once at the end, from every row. 0: as often as that
+    allows."""
     loggers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(default_factory=list)
     """Ray Tune's logger callbacks that get every row, flat: tensorboard (event files in each trial's Tune
     folder), mlflow (a run per trial, in MLFLOW_TRACKING_URI or a file store in the output folder's
