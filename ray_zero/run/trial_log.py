@@ -102,6 +102,7 @@ class TrialLog:
         """The last all-rank report and the number of attempts that started, forgotten after."""
         starts = self._starts.pop(trial, {})
         reports = self._reports.pop(trial, [])
+        self._received.pop(trial, None)
         self._ranks.pop(trial, None)
         self._processes.pop(trial, None)
         self._stopped.discard(trial)
