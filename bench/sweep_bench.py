@@ -48,6 +48,8 @@ GPU_LOG_QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,tempe
 """--gpu-log: what nvidia-smi samples every 250 ms into OUT/gpu_log*.csv while the runs go."""
 PEAK_TOLERANCE = (0.005, 32 / 1024)
 """Peaks agree within 0.5 % or 32 MiB (GiB), whichever is larger (issue 41's rule)."""
+RATE_TOLERANCE = 0.10
+"""A point's samples/s agrees with its one-at-a-time value within 10 % (issues 41 and 53)."""
 
 
 def run_sweep(code: Path, experiment: Path, output: Path, overrides: list[str]) -> float:
@@ -103,28 +105,28 @@ def compare(runs: dict[str, list[Path]]) -> pd.DataFrame:
     return pd.DataFrame(table)
 
 
-def against_alone(runs: dict[str, list[Path]]) -> pd.DataFrame:
-    """Per new run and grid point: samples/s over the old side's median, the row's step_spread, and
-    whether the ratio is within 10 % and within that spread (issue 53's rule, judged run by run)."""
-    old_rows = [_rows(folder) for folder in runs["old"]]
+def against_alone(runs: dict[str, list[Path]], points: pd.DataFrame) -> pd.DataFrame:
+    """Per new run and grid point: samples/s over the old side's median (`compare`'s), the row's
+    step_spread, and whether the ratio is within RATE_TOLERANCE and within that spread (issue 53's rule,
+    judged run by run)."""
+    alone = points.set_index("trial")["samples_per_s_old"] if len(points) else pd.Series(dtype=float)
     table = []
     for folder in runs["new"]:
         for name, row in sorted(_rows(folder).items()):
-            alone = _median([run[name].get("samples_per_s") for run in old_rows if name in run])
             rate, spread = row.get("samples_per_s"), row.get("step_spread")
-            if is_calibration(name) or not alone or not rate:
+            if is_calibration(name) or not rate or pd.isna(alone.get(name)):
                 continue
-            ratio = rate / alone
+            ratio = rate / alone[name]
             table.append(
                 {
                     "run": folder.name,
                     "trial": name,
                     "samples_per_s": rate,
-                    "alone": alone,
+                    "alone": alone[name],
                     "ratio": round(ratio, 3),
                     "step_spread": spread,
                     "timing_unstable": row.get("timing_unstable"),
-                    "within_10pct": abs(ratio - 1) <= 0.10,
+                    "within_10pct": abs(ratio - 1) <= RATE_TOLERANCE,
                     "within_spread": spread is not None and spread == spread and abs(ratio - 1) <= spread,
                 }
             )
@@ -201,7 +203,7 @@ def summary(output: Path, command: str, old_label: Optional[str] = None) -> str:
     # The grid's points: a calibration trial measures memory only, its rate is 2 timed steps (~0.1 s).
     grid = points[~points["trial"].map(is_calibration)] if len(points) else points
     ratios = grid["samples_per_s_ratio"].dropna() if len(grid) else pd.Series(dtype=float)
-    within = int(((ratios - 1).abs() <= 0.10).sum())
+    within = int(((ratios - 1).abs() <= RATE_TOLERANCE).sum())
     agree = points["peak_agrees"].dropna() if "peak_agrees" in points else pd.Series(dtype=bool)
     overlaps = sum(len(measuring_overlaps(folder)) for folder in runs["new"])
     wall_ratios = walls_frame["ratio"].dropna() if "ratio" in walls_frame else pd.Series(dtype=float)
@@ -231,7 +233,7 @@ def summary(output: Path, command: str, old_label: Optional[str] = None) -> str:
         )
         + f"; trials that measured while another measured or set up on their GPU (new runs): {overlaps}",
     ]
-    against = against_alone(runs)
+    against = against_alone(runs, points)
     if len(against):
         lines += [
             "",
