@@ -90,13 +90,13 @@ def main(argv=None) -> int:
     first, last = statistics.median(record[:50]), statistics.median(record[-50:])
     per_row = [b - a for a, b in zip(driver_cpu, driver_cpu[1:])]  # the driver's CPU seconds per row
 
-    def drawing(start: float, end: float, of=draws) -> float:  # CPU seconds that ended between two rows
-        return sum(cpu for cpu, _, at in of if start < at <= end)
+    def cpu_between(start: float, end: float, events=draws) -> float:  # CPU of events ended between two rows
+        return sum(cpu for cpu, _, at in events if start < at <= end)
 
-    first_drawing = drawing(driver_cpu[0], driver_cpu[50]) / 50
-    last_drawing = drawing(driver_cpu[-51], driver_cpu[-1]) / 50
+    first_drawing = cpu_between(driver_cpu[0], driver_cpu[50]) / 50
+    last_drawing = cpu_between(driver_cpu[-51], driver_cpu[-1]) / 50
     by_50 = [  # each 50 rows: the driver's CPU per row, and the drawing's part of it
-        (statistics.mean(per_row[i : i + 50]), drawing(driver_cpu[i], driver_cpu[i + 50]) / 50)
+        (statistics.mean(per_row[i : i + 50]), cpu_between(driver_cpu[i], driver_cpu[i + 50]) / 50)
         for i in range(0, len(per_row) - 49, 50)
     ]
     rows = map(json.loads, (args.output / "trials.jsonl").open())
@@ -121,8 +121,8 @@ def main(argv=None) -> int:
         "drawing_cpu_first50_per_row_s": first_drawing,
         "drawing_cpu_last50_per_row_s": last_drawing,
         "driver_and_drawing_cpu_per_row_by_50": by_50,
-        "tune_snapshot_cpu_first50_per_row_s": drawing(driver_cpu[0], driver_cpu[50], snapshots) / 50,
-        "tune_snapshot_cpu_last50_per_row_s": drawing(driver_cpu[-51], driver_cpu[-1], snapshots) / 50,
+        "tune_snapshot_cpu_first50_per_row_s": cpu_between(driver_cpu[0], driver_cpu[50], snapshots) / 50,
+        "tune_snapshot_cpu_last50_per_row_s": cpu_between(driver_cpu[-51], driver_cpu[-1], snapshots) / 50,
         "tune_snapshots_rows_and_cpu_s": [[rows, cpu] for cpu, rows, _ in snapshots],
         "drawings": len(draws),
         "last_drawing_rows_and_cpu_s": [draws[-1][1], draws[-1][0]] if draws else None,
@@ -130,8 +130,8 @@ def main(argv=None) -> int:
         "trial_wall_last50_median_s": statistics.median(walls[-50:]),
         "pages_equal_report": same,
     }
-    record_file = {**summary, "record_s": spent, "draws": draws, "snapshots": snapshots}
-    record_file["driver_cpu"] = driver_cpu
+    events = {"record_s": spent, "draws": draws, "snapshots": snapshots, "driver_cpu": driver_cpu}
+    record_file = {**summary, **events}
     (args.output / "driver_bench.json").write_text(json.dumps(record_file, indent=1))
     print(json.dumps(summary, indent=1))
     return 0
