@@ -106,28 +106,41 @@ def compare(runs: dict[str, list[Path]]) -> pd.DataFrame:
 
 
 def against_alone(runs: dict[str, list[Path]], points: pd.DataFrame) -> pd.DataFrame:
-    """Per new run and grid point: samples/s over the old side's median (`compare`'s), the row's
-    step_spread, and whether the ratio is within RATE_TOLERANCE and within that spread (issue 53's rule,
-    judged run by run)."""
+    """Per run and grid point: samples/s over the alone value, the row's step_spread, and whether the ratio
+    is within RATE_TOLERANCE and within that spread (issue 53's rule, judged run by run). A new run is
+    judged against the old side's median (`compare`'s); with two or more old runs, each old run against
+    the median of the others: the same rule applied to the reference itself."""
     alone = points.set_index("trial")["samples_per_s_old"] if len(points) else pd.Series(dtype=float)
+    old_rows = {folder.name: _rows(folder) for folder in runs["old"]}
+
+    def reference(run: str, name: str) -> Optional[float]:
+        if run not in old_rows:
+            return None if pd.isna(alone.get(name)) else alone[name]
+        if len(old_rows) < 2:
+            return None
+        return _median([rows[name].get("samples_per_s") for other, rows in old_rows.items()
+                        if other != run and name in rows])
+
     table = []
-    for folder in runs["new"]:
+    for folder in runs["new"] + runs["old"]:
         for name, row in sorted(_rows(folder).items()):
             rate, spread = row.get("samples_per_s"), row.get("step_spread")
-            if is_calibration(name) or not rate or pd.isna(alone.get(name)):
+            base = reference(folder.name, name)
+            if is_calibration(name) or not rate or not base:
                 continue
-            ratio = rate / alone[name]
+            ratio = rate / base
+            recorded = spread is not None and spread == spread  # none in a folder from before issue 53
             table.append(
                 {
                     "run": folder.name,
                     "trial": name,
                     "samples_per_s": rate,
-                    "alone": alone[name],
+                    "alone": base,
                     "ratio": round(ratio, 3),
                     "step_spread": spread,
                     "timing_unstable": row.get("timing_unstable"),
                     "within_10pct": abs(ratio - 1) <= RATE_TOLERANCE,
-                    "within_spread": spread is not None and spread == spread and abs(ratio - 1) <= spread,
+                    "within_spread": abs(ratio - 1) <= spread if recorded else None,
                 }
             )
     return pd.DataFrame(table)
@@ -135,7 +148,8 @@ def against_alone(runs: dict[str, list[Path]], points: pd.DataFrame) -> pd.DataF
 
 def _counts(table: pd.DataFrame, column: str) -> str:
     groups = table.groupby("run", sort=False)
-    return ", ".join(f"{run} {int(g[column].sum())} of {len(g)}" for run, g in groups)
+    judged = {run: g[column].dropna() for run, g in groups}  # None: not judged
+    return ", ".join(f"{run} {int((j == True).sum())} of {len(j)}" for run, j in judged.items())  # noqa: E712
 
 
 def read_gpu_log(output: Path) -> pd.DataFrame:
@@ -237,10 +251,11 @@ def summary(output: Path, command: str, old_label: Optional[str] = None) -> str:
     if len(against):
         lines += [
             "",
-            "Each new run's grid points against the old side's median (strictly alone with "
-            "`--old-set runtime.overlap_startup=false --old-set runtime.max_trials_per_gpu=1`): "
-            "samples/s ratio, the new row's own step_spread (interquartile range over median), and whether "
-            "the ratio is within 10 % and within that spread",
+            "Each run's grid points against the alone value (the old side, strictly alone with "
+            "`--old-set runtime.overlap_startup=false --old-set runtime.max_trials_per_gpu=1`): a new run "
+            "against the old side's median, an old run against its other runs' median (the rule applied to "
+            "the reference itself); samples/s ratio, the row's own step_spread (interquartile range over "
+            "median), and whether the ratio is within 10 % and within that spread",
             "",
             markdown_table(against, list(against.columns)),
             "",
