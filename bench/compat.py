@@ -111,11 +111,12 @@ def install_checkout(venv: Path, source: Path, log: Path) -> int:
 
 
 def install_test_tools(venv: Path, log: Path) -> int:
-    """pytest, and MLflow for the loggers' test (the pin requirements.txt tests with)."""
+    """pytest with the plugins pyproject.toml's options name, and MLflow for the loggers' test (the pin
+    requirements.txt tests with)."""
     pins = (ROOT / "requirements.txt").read_text().splitlines()
     mlflow = next(line for line in pins if line.startswith("mlflow"))
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
-    return run([*pip, "pytest", "pytest-timeout", mlflow.strip()], log)[0]
+    return run([*pip, "pytest", "pytest-timeout", "pytest-xdist", mlflow.strip()], log)[0]
 
 
 def pytest_counts(log_text: str) -> str:
@@ -232,9 +233,8 @@ def main() -> None:
         tests = {}
         for test in args.tests:
             mark = log.stat().st_size
-            code, seconds = run(
-                [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", test], log, cwd=source
-            )
+            command = [str(python), "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", test]
+            code, seconds = run(command, log, cwd=source)
             tests[test] = (pytest_counts(log.read_text()[mark:]), seconds)
             print(f"compat: {test}: {tests[test][0]} ({seconds:.0f} s)", flush=True)
         swept = sweep(args.venv, source, out, log)
