@@ -149,7 +149,7 @@ def against_alone(runs: dict[str, list[Path]], points: pd.DataFrame) -> pd.DataF
 def _counts(table: pd.DataFrame, column: str) -> str:
     groups = table.groupby("run", sort=False)
     judged = {run: g[column].dropna() for run, g in groups}  # None: not judged
-    return ", ".join(f"{run} {int((j == True).sum())} of {len(j)}" for run, j in judged.items())  # noqa: E712
+    return ", ".join(f"{run} {int(j.astype(bool).sum())} of {len(j)}" for run, j in judged.items())
 
 
 def read_gpu_log(output: Path) -> pd.DataFrame:
