@@ -39,3 +39,22 @@ def test_the_rank_after_a_failure_trains_again(ranks):
     row = group.row(_spec())
     assert row["status"] == "ok" and row["loss_last"] < row["loss_first"]
     assert group.starts == starts  # one rank has no peer left waiting: the same process trains the next spec
+
+
+def test_a_failure_of_ray_trains_controller_is_a_failed_row_naming_its_cause():
+    # Ray Train's ControllerError says "Training failed due to controller error:" and its cause on the next
+    # line; the row once kept only the first line (a CI run's row read just that).
+    from ray.exceptions import RayActorError
+    from ray.train import ControllerError
+
+    from ray_zero.run.trial import failure_fields
+
+    cause = RuntimeError("worker group not started: port 123 in use\nmore detail")
+    row = failure_fields(ControllerError(cause))
+    assert row == {
+        "status": "failed",
+        "error": "Ray Train's controller failed: RuntimeError: worker group not started: port 123 in use",
+    }
+    assert failure_fields(ControllerError(RayActorError()))["error"].startswith(
+        "Ray Train's controller failed: RayActorError"
+    )

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 from ray import tune
 from ray.train import (
+    ControllerError,
     FailureConfig,
     LoggingConfig,
     RunConfig,
@@ -134,6 +135,11 @@ def train_loop(config: dict[str, Any]) -> None:
 
 def failure_fields(error: BaseException) -> dict[str, Any]:
     """status, error and (for out-of-memory) the memory at the failure, from a failed fit()."""
+    if isinstance(error, ControllerError):  # Ray Train's own failure, not a rank's: its cause, named
+        cause, name = error.controller_failure, type(error.controller_failure).__name__
+        fields = failed_row_fields({None: cause})
+        reason = "" if fields["error"] == name else f": {fields['error']}"
+        return {**fields, "error": f"Ray Train's controller failed: {name}{reason}"}
     failures = getattr(error, "worker_failures", None) if isinstance(error, WorkerGroupError) else None
     return failed_row_fields(failures or {None: error})
 
