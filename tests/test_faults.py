@@ -89,10 +89,16 @@ def _placed_worker_groups() -> list[str]:
 
 
 def _train_workers() -> list[psutil.Process]:
+    """The session Ray's Ray Train worker processes: descendants of this process (ray.init started the Ray
+    whose raylet starts them), never another Ray's on the machine (a test beside this one, in another
+    pytest worker: killing its worker failed that test's trial)."""
     found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
-            found.append(process)
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if "RayTrainWorker" in " ".join(process.cmdline()):
+                found.append(process)
+        except psutil.Error:
+            continue
     return found
 
 
