@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import gpu_log
 import pandas as pd
 from common import ROOT
 
@@ -44,8 +45,6 @@ from ray_zero.store import load_trials, read_provenance  # noqa: E402
 PROVENANCE = ("date", "python", "torch", "deepspeed", "ray", "driver_gpus", "cpu")
 WALLS = "walls.jsonl"
 """One line per run: its pair, side and wall time (a later call adds pairs to the same folder)."""
-GPU_LOG_QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu"
-"""--gpu-log: what nvidia-smi samples every 250 ms into OUT/gpu_log*.csv while the runs go."""
 PEAK_TOLERANCE = (0.005, 32 / 1024)
 """Peaks agree within 0.5 % or 32 MiB (GiB), whichever is larger (issue 41's rule)."""
 RATE_TOLERANCE = 0.10
@@ -123,7 +122,8 @@ def against_alone(runs: dict[str, list[Path]], points: pd.DataFrame) -> pd.DataF
 
     table = []
     for folder in runs["new"] + runs["old"]:
-        for name, row in sorted(_rows(folder).items()):
+        rows = old_rows[folder.name] if folder.name in old_rows else _rows(folder)
+        for name, row in sorted(rows.items()):
             rate, spread = row.get("samples_per_s"), row.get("step_spread")
             base = reference(folder.name, name)
             if is_calibration(name) or not rate or not base:
@@ -150,47 +150,6 @@ def _counts(table: pd.DataFrame, column: str) -> str:
     groups = table.groupby("run", sort=False)
     judged = {run: g[column].dropna() for run, g in groups}  # None: not judged
     return ", ".join(f"{run} {int(j.astype(bool).sum())} of {len(j)}" for run, j in judged.items())
-
-
-def read_gpu_log(output: Path) -> pd.DataFrame:
-    """Every gpu_log*.csv in `output` (nvidia-smi, GPU_LOG_QUERY): time (epoch s), SM MHz, util %."""
-    frames = []
-    for path in sorted(output.glob("gpu_log*.csv")):
-        frame = pd.read_csv(path, header=None, names=GPU_LOG_QUERY.split(","), skipinitialspace=True)
-        frame = frame[frame["timestamp"].astype(str).str.match(r"\d{4}/")]
-        stamps = pd.to_datetime(frame["timestamp"], format="%Y/%m/%d %H:%M:%S.%f")  # the GPU machine's UTC
-        frames.append(
-            pd.DataFrame(
-                {
-                    "t": stamps.astype("datetime64[ns]").astype("int64") / 1e9,
-                    "sm_mhz": frame["clocks.sm"].str.split().str[0].astype(float),
-                    "util": frame["utilization.gpu"].str.split().str[0].astype(float),
-                }
-            )
-        )
-    return pd.concat(frames) if frames else pd.DataFrame(columns=["t", "sm_mhz", "util"])
-
-
-def timed_window_gpu(runs: dict[str, list[Path]], log: pd.DataFrame) -> pd.DataFrame:
-    """Per grid point and side: the lowest SM clock and the median utilization that nvidia-smi saw inside
-    the point's timed windows (a clock that had not risen, or a GPU the host could not keep busy)."""
-    seen: dict[tuple[str, str], list[pd.DataFrame]] = {}
-    for side, folders in runs.items():
-        for folder in folders:
-            for row in load_trials(folder):
-                for rank in row.get("per_rank") or []:
-                    if rank.get("measuring_until") and rank.get("timed_s"):
-                        until = rank["measuring_until"]
-                        window = log[(log["t"] >= until - rank["timed_s"]) & (log["t"] <= until)]
-                        seen.setdefault((row["trial"], side), []).append(window)
-    table: dict[str, dict] = {}
-    for (trial, side), windows in seen.items():
-        samples = pd.concat(windows)
-        if len(samples):
-            entry = table.setdefault(trial, {"trial": trial})
-            entry[f"sm_mhz_min_{side}"] = samples["sm_mhz"].min()
-            entry[f"util_pct_{side}"] = samples["util"].median()
-    return pd.DataFrame([table[t] for t in sorted(table) if not is_calibration(t)])
 
 
 def summary(output: Path, command: str, old_label: Optional[str] = None) -> str:
@@ -262,7 +221,7 @@ def summary(output: Path, command: str, old_label: Optional[str] = None) -> str:
             "Within 10 %: " + _counts(against, "within_10pct") + "; within own spread: "
             + _counts(against, "within_spread"),
         ]
-    gpu = timed_window_gpu(runs, read_gpu_log(output))
+    gpu = gpu_log.timed_window(runs, gpu_log.read(output))
     if len(gpu):
         lines += [
             "",
@@ -344,9 +303,7 @@ def main(argv=None) -> int:
         if args.gpu_log:
             if shutil.which("nvidia-smi") is None:
                 parser.error("--gpu-log needs nvidia-smi on PATH (a machine with an NVIDIA GPU)")
-            log = open(output / f"gpu_log_pair{first_pair}.csv", "a")
-            query = ["nvidia-smi", f"--query-gpu={GPU_LOG_QUERY}", "--format=csv,noheader", "-lms", "250"]
-            sampler = subprocess.Popen(query, stdout=log, stderr=subprocess.STDOUT)
+            sampler = gpu_log.sample(output / f"gpu_log_pair{first_pair}.csv")
         for pair in range(first_pair, first_pair + args.pairs):  # a later call goes on numbering
             for side in ("old", "new") if pair % 2 else ("new", "old"):
                 if args.only and side != args.only:

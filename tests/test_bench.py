@@ -94,6 +94,7 @@ def test_compare_overhead_reads_old_and_new_bench_csv(tmp_path):
 
 def test_sweep_bench_judges_the_grid_and_reads_the_gpu_log_of_its_records():
     # bench/results/sweep-h200-gpt2-serial: 2 pairs, nvidia-smi sampled through both (--gpu-log).
+    import gpu_log
     import sweep_bench
 
     records = ROOT / "bench" / "results" / "sweep-h200-gpt2-serial"
@@ -101,7 +102,7 @@ def test_sweep_bench_judges_the_grid_and_reads_the_gpu_log_of_its_records():
     points = sweep_bench.compare(runs).set_index("trial")
     # Its two one-at-a-time runs measured 56.3 and 48.3 samples/s there (per_rank.csv).
     assert abs(points.loc["stage0_mb4_w1", "spread_old"] - 56.3 / 48.3) < 0.01
-    gpu = sweep_bench.timed_window_gpu(runs, sweep_bench.read_gpu_log(records)).set_index("trial")
+    gpu = gpu_log.timed_window(runs, gpu_log.read(records)).set_index("trial")
     assert len(gpu) == 9 and not any(name.endswith("_calibration") for name in gpu.index)
     assert gpu["sm_mhz_min_old"].between(1000, 2100).all() and gpu["util_pct_new"].between(1, 100).all()
     text = sweep_bench.summary(records, "pytest", "strictly one at a time")
