@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import multiprocessing as mp
+import os
 import time
 from pathlib import Path
 
@@ -135,6 +137,71 @@ def _waiting_on(path: Path) -> int:
     inode = path.stat().st_ino
     lines = Path("/proc/locks").read_text().splitlines()
     return sum("->" in line and line.split()[-3].endswith(f":{inode}") for line in lines)
+
+
+def _trial_in_turns(folder: str, key: str, name: str, after_waiting: bool, queue) -> None:
+    """A trial's set-up (0.3 s) and measurement (0.3 s) in turns, its spans put on `queue`."""
+    turn = MeasurementTurn(key, Path(folder))
+    with turn.setting_up(after_waiting):
+        started = time.time()
+        time.sleep(0.3)
+        queue.put((name, "set_up", started, time.time()))
+    with turn:
+        started = time.time()
+        time.sleep(0.3)
+        queue.put((name, "measured", started, time.time()))
+
+
+def _wait_until(condition, seconds: float = 60) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_trials_that_come_while_others_wait_for_their_turn_set_up_together_after_them(tmp_path):
+    """While a set-up trial waits for its turn, trials that come wait to set up, then set up side by
+    side in one gap after it has measured; a trial with ranks on other devices (after_waiting=False)
+    sets up at once."""
+    context = mp.get_context("fork")  # the locks alone: no torch in these processes
+    queue = context.Queue()
+
+    def start(name: str, after_waiting: bool = True):
+        process = context.Process(
+            target=_trial_in_turns, args=(str(tmp_path), "gpu-x", name, after_waiting, queue)
+        )
+        process.start()
+        return process
+
+    spans = {}
+
+    def next_span():
+        name, kind, began, ended = queue.get(timeout=60)
+        spans[name, kind] = (began, ended)
+        return name, kind
+
+    tmp_path.mkdir(exist_ok=True)
+    turn = os.open(tmp_path / "gpu-x.turn", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(turn, fcntl.LOCK_EX)  # the GPU's turn taken: set-ups may go on, no measuring
+    try:
+        processes = [start("ready")]
+        assert next_span() == ("ready", "set_up")
+        assert _wait_until(lambda: _waiting_on(tmp_path / "gpu-x.turn") == 1)
+        processes += [start("later-1"), start("later-2"), start("spread", after_waiting=False)]
+        assert next_span() == ("spread", "set_up")
+        assert _wait_until(lambda: _waiting_on(tmp_path / "gpu-x.ready") == 2)
+    finally:
+        fcntl.flock(turn, fcntl.LOCK_UN)
+        os.close(turn)
+    for _ in range(6):
+        next_span()
+    for process in processes:
+        process.join(30)
+    measured = spans["ready", "measured"]
+    later_set_ups = [spans[name, "set_up"] for name in ("later-1", "later-2")]
+    assert all(began >= measured[1] - 1e-3 for began, _ in later_set_ups), (later_set_ups, measured)
+    (first, first_end), (second, _) = sorted(later_set_ups)
+    assert second < first_end  # side by side, in one gap
 
 
 def train_in_turns(rank: int, world_size: int, spec, folder: str, keys: list[str]) -> dict:

@@ -64,7 +64,7 @@ RANK = Registry(
         column("model_build_s", float, "s", P, "building the model on the rank's device"),
         column("data_load_s", float, "s", P, "making the rank's data"),
         column("initialize_s", float, "s", P, "setting the engine up (deepspeed.initialize, DDP, fully_shard)"),
-        column("turn_wait_s", float, "s", P, "waiting for the GPU's measurement turn (trials sharing a GPU)"),
+        column("turn_wait_s", float, "s", P, "waiting for the GPU (trials sharing one): to set up, and for the measurement turn"),
         column("warmup_s", float, "s", P, "the warm-up steps (not timed)"),
         column("timed_s", float, "s", P, "the timed steps"),
         column("data_source", str, "", P, "where the rank's data came from"),

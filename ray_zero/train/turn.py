@@ -2,13 +2,17 @@
 their warm-up and timed steps take turns, and no trial sets up (builds its model, initialises its
 engine) while another measures, so that each trial's samples/s is its own.
 
-Two locks (flock) on files named after the GPU's UUID, in a folder on the GPU's node, that every process
-training on that GPU, of this sweep or of another, uses: a trial sets up holding `.setup` shared (set-ups
-run side by side) and measures holding `.turn` exclusive, then `.setup` exclusive (it waits for the
-set-ups under way; later ones wait for it): a set-up beside a measuring trial slows it
-(bench/sweep_bench.md). The kernel lets go of a lock whose process dies (a SIGKILL, an out-of-memory
-kill): no turn outlives its holder. No Ray here: the rank takes the turn the same way under Ray Train,
-torchrun or a test.
+Three locks (flock) on files named after the GPU's UUID, in a folder on the GPU's node, that every
+process training on that GPU, of this sweep or of another, uses:
+- a trial sets up holding `.setup` shared (set-ups run side by side), and measures holding `.turn`
+  exclusive, then `.setup` exclusive (it waits for the set-ups under way; later ones wait for it): a
+  set-up beside a measuring trial slows it (bench/sweep_bench.md);
+- between its set-up and its turn a trial holds `.ready` shared, and a trial starts to set up only with
+  `.ready` exclusive: while set-up trials wait for their turns, a trial that comes (when an earlier one
+  ends and frees its share) waits too, and those that came set up together once the last has measured,
+  in one gap between turns rather than one gap per trial.
+The kernel lets go of a lock whose process dies (a SIGKILL, an out-of-memory kill): no turn outlives its
+holder. No Ray here: the rank takes the turn the same way under Ray Train, torchrun or a test.
 """
 
 from __future__ import annotations
@@ -34,15 +38,16 @@ def turn_dir() -> Path:
 
 
 class MeasurementTurn:
-    """The turn of one device (`key`, e.g. a GPU's UUID): `setting_up()` around a trial's set-up,
-    `acquire()` waits for the turn (and for set-ups under way), `release()` hands it on; the seconds
-    waited are in `waited_s`."""
+    """The turn of one device (`key`, e.g. a GPU's UUID): `setting_up()` around a trial's set-up (it
+    waits while set-up trials wait for their turns, or one measures), `acquire()` waits for the turn (and
+    for set-ups under way), `release()` hands it on; the seconds waited, before the set-up and for the
+    turn, are in `waited_s`."""
 
     def __init__(self, key: str, folder: Optional[Path] = None):
         self.key = key
         self.folder = folder or turn_dir()
         self.path = self.folder / f"{key}.turn"
-        self._held: list[int] = []
+        self._held: dict[str, int] = {}
         self.waited_s = 0.0
 
     def _lock(self, suffix: str, kind: int) -> None:
@@ -52,29 +57,44 @@ class MeasurementTurn:
         except OSError:
             pass
         fd = os.open(self.folder / f"{self.key}.{suffix}", os.O_RDWR | os.O_CREAT, 0o666)
+        started = time.perf_counter()
         fcntl.flock(fd, kind)
-        self._held.append(fd)
+        self.waited_s += time.perf_counter() - started
+        self._held[suffix] = fd
+
+    def _unlock(self, suffix: str) -> None:
+        fd = self._held.pop(suffix)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
     def _unlock_all(self) -> None:
-        while self._held:  # the last taken first
-            fd = self._held.pop()
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        for suffix in reversed(list(self._held)):  # the last taken first
+            self._unlock(suffix)
 
     @contextlib.contextmanager
-    def setting_up(self) -> Iterator[None]:
-        """Around a trial's set-up: beside other set-ups, never while a trial measures."""
-        self._lock("setup", fcntl.LOCK_SH)
+    def setting_up(self, after_waiting: bool = True) -> Iterator[None]:
+        """Around a trial's set-up: beside other set-ups, never while a trial measures, nor (with
+        `after_waiting`) while set-up trials wait for their turns. Once set up, the trial is one of those
+        waiting (until `acquire`). A trial with ranks on other devices sets up without `after_waiting`:
+        its ranks meet in the engine's set-up, and one must not wait there for another GPU's queue."""
         try:
+            if after_waiting:
+                self._lock("ready", fcntl.LOCK_EX)
+            self._lock("setup", fcntl.LOCK_SH)
+            if after_waiting:
+                self._unlock("ready")
             yield
-        finally:
+            self._lock("ready", fcntl.LOCK_SH)
+            self._unlock("setup")
+        except BaseException:
             self._unlock_all()
+            raise
 
     def acquire(self) -> None:
-        started = time.perf_counter()
         self._lock("turn", fcntl.LOCK_EX)
         self._lock("setup", fcntl.LOCK_EX)
-        self.waited_s = time.perf_counter() - started
+        if "ready" in self._held:
+            self._unlock("ready")
 
     def release(self) -> None:
         self._unlock_all()

@@ -143,8 +143,13 @@ class _Run:
             self.diagnostics.mark(phase)
 
     def train(self) -> dict[str, Any]:
-        # Set-up beside other trials' set-ups on this device, never while one of them measures.
-        with self.turn.setting_up() if self.turn is not None else contextlib.nullcontext():
+        # Set-up beside other trials' set-ups on this device, never while one of them measures or waits
+        # for its turn: waiting for it, the rank waits for the GPU (turn_wait_s, not its model build).
+        if self.turn is not None:
+            self.phase = TURN_WAIT
+        slot = contextlib.nullcontext() if self.turn is None else self.turn.setting_up(self.world_size == 1)
+        with slot:
+            self._since = time.perf_counter()
             self.timings["set_up_from"] = time.time()
             engine, data = self._set_up()
             self.timings["set_up_until"] = time.time()
@@ -219,7 +224,9 @@ class _Run:
         self.phase = TURN_WAIT
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        before_set_up = self.turn.waited_s
         self.turn.acquire()
         if self.world_size > 1:
             dist.barrier()
         self.done("turn_wait")
+        self.timings["turn_wait_s"] += before_set_up
