@@ -206,6 +206,15 @@ def summary(output: Path, command: str, old_label: Optional[str] = None) -> str:
         )
         + f"; trials that measured while another measured or set up on their GPU (new runs): {overlaps}",
     ]
+    timeline = turn_timeline(runs)
+    if len(timeline):
+        lines += [
+            "",
+            "From the ranks' marks: first set-up to first measuring, measuring windows added up, the GPU "
+            "idle between one window and the next, and the span from first set-up to last window's end (s)",
+            "",
+            markdown_table(timeline, list(timeline.columns)),
+        ]
     against = against_alone(runs, points)
     if len(against):
         lines += [
@@ -231,6 +240,38 @@ def summary(output: Path, command: str, old_label: Optional[str] = None) -> str:
             markdown_table(gpu, list(gpu.columns)),
         ]
     return "\n".join(lines)
+
+
+def turn_timeline(runs: dict[str, list[Path]]) -> pd.DataFrame:
+    """Per run on GPUs, from its ranks' marks: seconds from the first set-up to the first measuring, the
+    trials' measuring windows added up, the GPU idle between one trial's window and the next's, and the
+    whole span (their sum): where a side-by-side sweep's time goes once its trials have started."""
+    table = []
+    for side in ("old", "new"):
+        for folder in runs[side]:
+            windows, set_up = [], []
+            for row in load_trials(folder):
+                ranks = [r for r in row.get("per_rank") or [] if r.get("measuring_from")]
+                if ranks and all(r.get("memory_kind") == "cuda" for r in ranks):
+                    windows.append(
+                        (min(r["measuring_from"] for r in ranks), max(r["measuring_until"] for r in ranks))
+                    )
+                    set_up.append(min(r["set_up_from"] for r in ranks if r.get("set_up_from")))
+            if not windows:
+                continue
+            windows.sort()
+            between = sum(max(0.0, b[0] - a[1]) for a, b in zip(windows, windows[1:]))
+            table.append(
+                {
+                    "run": folder.name,
+                    "trials": len(windows),
+                    "to_first_turn_s": round(windows[0][0] - min(set_up), 1),
+                    "measuring_s": round(sum(end - start for start, end in windows), 1),
+                    "between_turns_s": round(between, 1),
+                    "span_s": round(windows[-1][1] - min(set_up), 1),
+                }
+            )
+    return pd.DataFrame(table)
 
 
 def measuring_overlaps(folder: Path) -> list[tuple[str, str]]:
