@@ -150,6 +150,7 @@ def _trial_in_turns(folder: str, key: str, name: str, after_waiting: bool, queue
         started = time.time()
         time.sleep(0.3)
         queue.put((name, "measured", started, time.time()))
+    queue.put((name, "waited", turn.waited_s, None))
 
 
 def _wait_until(condition, seconds: float = 60) -> bool:
@@ -193,7 +194,7 @@ def test_trials_that_come_while_others_wait_for_their_turn_set_up_together_after
     finally:
         fcntl.flock(turn, fcntl.LOCK_UN)
         os.close(turn)
-    for _ in range(6):
+    for _ in range(6 + 4):
         next_span()
     for process in processes:
         process.join(30)
@@ -202,6 +203,9 @@ def test_trials_that_come_while_others_wait_for_their_turn_set_up_together_after
     assert all(began >= measured[1] - 1e-3 for began, _ in later_set_ups), (later_set_ups, measured)
     (first, first_end), (second, _) = sorted(later_set_ups)
     assert second < first_end  # side by side, in one gap
+    # The seconds waited, before the set-up and for the turn: the later ones waited through the measuring.
+    waited = {name: spans[name, "waited"][0] for name in ("ready", "later-1", "later-2", "spread")}
+    assert min(waited["later-1"], waited["later-2"]) >= measured[1] - measured[0] - 0.05, waited
 
 
 def train_in_turns(rank: int, world_size: int, spec, folder: str, keys: list[str]) -> dict:

@@ -41,7 +41,7 @@ class MeasurementTurn:
     """The turn of one device (`key`, e.g. a GPU's UUID): `setting_up()` around a trial's set-up (it
     waits while set-up trials wait for their turns, or one measures), `acquire()` waits for the turn (and
     for set-ups under way), `release()` hands it on; the seconds waited, before the set-up and for the
-    turn, are in `waited_s`."""
+    turn that follows it, are in `waited_s`."""
 
     def __init__(self, key: str, folder: Optional[Path] = None):
         self.key = key
@@ -77,6 +77,7 @@ class MeasurementTurn:
         `after_waiting`) while set-up trials wait for their turns. Once set up, the trial is one of those
         waiting (until `acquire`). A trial with ranks on other devices sets up without `after_waiting`:
         its ranks meet in the engine's set-up, and one must not wait there for another GPU's queue."""
+        self.waited_s = 0.0
         try:
             if after_waiting:
                 self._lock("ready", fcntl.LOCK_EX)
@@ -91,6 +92,8 @@ class MeasurementTurn:
             raise
 
     def acquire(self) -> None:
+        if "ready" not in self._held:  # not straight after `setting_up`: a wait of its own
+            self.waited_s = 0.0
         self._lock("turn", fcntl.LOCK_EX)
         self._lock("setup", fcntl.LOCK_EX)
         if "ready" in self._held:
