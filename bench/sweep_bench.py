@@ -15,8 +15,9 @@ time. Printed, and written to OUT/sweep_bench.md: each run's wall time, the rati
 trial each side's status, peak allocated (GiB, median over its runs), their difference, samples/s
 (median), how far apart each side's own runs lie, and the ratio (judged over the grid's points: a
 calibration trial times 2 steps); how many measuring windows of two trials on one GPU overlapped in the
-new runs (none should: ray_zero/train/turn.py); with --gpu-log, the GPU's clock and utilization inside
-each point's timed windows.
+new runs (none should: ray_zero/train/turn.py); per run on GPUs, where the time from the first set-up to
+the last measuring went (set-up, measuring, the GPU idle between turns); with --gpu-log, the GPU's clock
+and utilization inside each point's timed windows.
 """
 
 from __future__ import annotations
