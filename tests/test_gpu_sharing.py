@@ -227,11 +227,7 @@ def test_no_trial_sets_up_or_measures_while_another_measures_on_its_device(ranks
             train_in_turns, trial_spec(experiment, Point("deepspeed", 1, 64, 2)), str(tmp_path), ["a", "b"]
         )
         # Go on once both ranks on "a" wait to set up (the kernel lists blocked flocks in /proc/locks).
-        setup = tmp_path / "a.setup"
-        deadline = time.monotonic() + 120
-        while _waiting_on(setup) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _waiting_on(setup) == 2
+        assert _wait_until(lambda: _waiting_on(tmp_path / "a.setup") == 2, 120)
     finally:
         released_at = time.time()
         held.release()
