@@ -35,6 +35,7 @@ from typing import Optional
 
 import gpu_log
 import pandas as pd
+import turn_marks
 from common import ROOT
 
 sys.path.insert(0, str(ROOT))
@@ -179,7 +180,7 @@ def summary(output: Path, command: str, old_label: Optional[str] = None) -> str:
     ratios = grid["samples_per_s_ratio"].dropna() if len(grid) else pd.Series(dtype=float)
     within = int(((ratios - 1).abs() <= RATE_TOLERANCE).sum())
     agree = points["peak_agrees"].dropna() if "peak_agrees" in points else pd.Series(dtype=bool)
-    overlaps = sum(len(measuring_overlaps(folder)) for folder in runs["new"])
+    overlaps = sum(len(turn_marks.measuring_overlaps(folder)) for folder in runs["new"])
     wall_ratios = walls_frame["ratio"].dropna() if "ratio" in walls_frame else pd.Series(dtype=float)
     lines = [
         f"# sweep_bench: {output.name}",
@@ -207,7 +208,7 @@ def summary(output: Path, command: str, old_label: Optional[str] = None) -> str:
         )
         + f"; trials that measured while another measured or set up on their GPU (new runs): {overlaps}",
     ]
-    timeline = turn_timeline(runs)
+    timeline = turn_marks.turn_timeline(runs)
     if len(timeline):
         lines += [
             "",
@@ -241,61 +242,6 @@ def summary(output: Path, command: str, old_label: Optional[str] = None) -> str:
             markdown_table(gpu, list(gpu.columns)),
         ]
     return "\n".join(lines)
-
-
-def turn_timeline(runs: dict[str, list[Path]]) -> pd.DataFrame:
-    """Per run on GPUs, from its ranks' marks: seconds from the first set-up to the first measuring, the
-    trials' measuring windows added up, the GPU idle between one trial's window and the next's, and the
-    whole span (their sum): where a side-by-side sweep's time goes once its trials have started."""
-    table = []
-    for side in ("old", "new"):
-        for folder in runs[side]:
-            windows, set_up = [], []
-            for row in load_trials(folder):
-                ranks = [r for r in row.get("per_rank") or [] if r.get("measuring_from")]
-                if ranks and all(r.get("memory_kind") == "cuda" for r in ranks):
-                    windows.append(
-                        (min(r["measuring_from"] for r in ranks), max(r["measuring_until"] for r in ranks))
-                    )
-                    set_up.append(min(r["set_up_from"] for r in ranks if r.get("set_up_from")))
-            if not windows:
-                continue
-            windows.sort()
-            between = sum(max(0.0, b[0] - a[1]) for a, b in zip(windows, windows[1:]))
-            table.append(
-                {
-                    "run": folder.name,
-                    "trials": len(windows),
-                    "to_first_turn_s": round(windows[0][0] - min(set_up), 1),
-                    "measuring_s": round(sum(end - start for start, end in windows), 1),
-                    "between_turns_s": round(between, 1),
-                    "span_s": round(windows[-1][1] - min(set_up), 1),
-                }
-            )
-    return pd.DataFrame(table)
-
-
-def measuring_overlaps(folder: Path) -> list[tuple[str, str]]:
-    """Pairs of trials of one run where one measured on a GPU while the other measured or set up on it
-    (per_rank's measuring_from/until and set_up_from/until, by the rank's device): what the
-    measurement turn forbids."""
-    measuring, busy = [], []
-    for row in load_trials(folder):
-        for rank in row.get("per_rank") or []:
-            if rank.get("measuring_from") and rank.get("memory_kind") == "cuda":
-                device = (rank.get("node_id"), rank.get("device_uuid"))
-                measuring.append((device, rank["measuring_from"], rank["measuring_until"], row["trial"]))
-                busy.append((device, rank["measuring_from"], rank["measuring_until"], row["trial"]))
-                if rank.get("set_up_from"):
-                    busy.append((device, rank["set_up_from"], rank["set_up_until"], row["trial"]))
-    return sorted(
-        {
-            (trial, other)
-            for device, start, end, trial in measuring
-            for other_device, other_start, other_end, other in busy
-            if device == other_device and trial != other and start < other_end and other_start < end
-        }
-    )
 
 
 def main(argv=None) -> int:

@@ -114,15 +114,17 @@ def test_sweep_bench_timeline_splits_a_gpu_sweep_into_set_up_measuring_and_idle(
     # bench/results/sweep-h100-gpt2-24-waves: 24 trials on one H100, before (old) and after (new) trials
     # that come while others wait for their turn set up together; 52.8 and 20.6 s idle between turns
     # (each run's trials.jsonl, by hand).
-    import sweep_bench
+    import turn_marks
+
+    from ray_zero.store import load_trials
 
     records = ROOT / "bench" / "results" / "sweep-h100-gpt2-24-waves"
     runs = {side: sorted(records.glob(f"{side}-*/")) for side in ("old", "new")}
-    timeline = sweep_bench.turn_timeline(runs).set_index("run")
+    timeline = turn_marks.turn_timeline(runs).set_index("run")
     assert (timeline["trials"] == 24).all()
     idle = timeline["between_turns_s"]
     assert idle["old-1"] == 52.8 and idle["new-1"] == 20.6
     parts = timeline[["to_first_turn_s", "measuring_s", "between_turns_s"]].sum(axis=1)
     assert ((parts - timeline["span_s"]).abs() <= 0.2).all()  # windows never overlap: the parts add up
     cpu = ROOT / "bench" / "results" / "sweep-cpu-quick" / "new-1"  # CPU trials take no turns
-    assert len(sweep_bench.load_trials(cpu)) and sweep_bench.turn_timeline({"old": [], "new": [cpu]}).empty
+    assert len(load_trials(cpu)) and turn_marks.turn_timeline({"old": [], "new": [cpu]}).empty
