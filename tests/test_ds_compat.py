@@ -10,9 +10,12 @@ replaced. The same probe runs unmodified on a GPU (bench/compat.md says where it
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import ROOT
 from test_engines import toy_spec
 
 from ray_zero.train import ds_compat
@@ -98,3 +101,30 @@ def shm_comm_skipped(rank: int, world_size: int) -> tuple[bool, object]:
 
 def test_the_cpu_shared_memory_op_is_marked_incompatible_in_deepspeeds_own_table(ranks):
     assert ranks(1).call(shm_comm_skipped) == [(True, False)]
+
+
+MUON_CHECK = """
+import sys
+from ray_zero.train import ds_compat
+from deepspeed.runtime import compiler
+import torch
+first = ds_compat.import_muon_uncompiled()
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam  # what initialize imports
+from deepspeed.runtime.zero.muon import original_muon
+print(first, ds_compat.import_muon_uncompiled(), compiler.compile() is torch.compile,
+      hasattr(original_muon.zeropower_via_newtonschulz5, "_torchdynamo_orig_callable"),
+      "torch._inductor.compile_fx" in sys.modules)
+"""
+
+
+def test_deepspeeds_muon_module_is_imported_uncompiled_and_inductor_never_loads():
+    """`deepspeed.initialize` imports DeepSpeed's Muon module (its class is checked against the
+    optimizer); imported by ds_compat first, its functions stay uncompiled, DeepSpeed's decorator is
+    itself again, and TorchInductor is not imported. A fresh process: this one may hold Inductor already."""
+    done = subprocess.run(
+        [sys.executable, "-c", MUON_CHECK], capture_output=True, text=True, cwd=ROOT, timeout=180
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported, again, restored, compiled, inductor = done.stdout.split()[-5:]
+    assert (imported, again, restored) == ("True", "False", "True")
+    assert (compiled, inductor) == ("False", "False")

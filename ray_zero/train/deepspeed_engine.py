@@ -25,6 +25,7 @@ class DeepSpeedEngine(Engine):
 
         if device.type == "cpu":
             ds_compat.skip_shm_comm_build()
+        ds_compat.import_muon_uncompiled()
         # DeepSpeed casts parameters, not buffers: those the module computes with its weights go with them
         # (a norm's statistics too: its weights are half precision here), ray_zero/train/precision.py.
         cast_float_buffers(spec.module, settings.precision, keep_norms=False)

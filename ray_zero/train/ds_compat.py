@@ -9,6 +9,8 @@ one place, each found by what the installed DeepSpeed does or has, never by its 
   and checks that the step then applies the true gradient.
 * the CPU communication backend's shared-memory op build (`skip_shm_comm_build`), through DeepSpeed's own
   table of compatible ops.
+* its Muon module, which `deepspeed.initialize` imports to check the optimizer's class and which compiles at
+  import (`import_muon_uncompiled`), through DeepSpeed's own compile decorator.
 * the optimizer classes that `engine.backward` scales the loss for (`zero_optimizer_types`), the engine's
   torch GradScaler (`torch_gradscaler`), and ZeRO-3's module-level references (`release_zero3_module`).
 
@@ -160,6 +162,38 @@ def skip_shm_comm_build() -> bool:
     if not isinstance(compatible, dict):
         return False
     compatible["deepspeed_shm_comm"] = False
+    return True
+
+
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_muon_uncompiled() -> bool:
+    """DeepSpeed's ZeRO and bf16 optimizers import its Muon optimizer in `deepspeed.initialize`, to check
+    the optimizer's class; that module wraps its functions in `torch.compile` as it is imported, which
+    imports TorchInductor (about 2 s of a ZeRO engine's set-up on one CPU core: bench/sweep_waves.md). A
+    ray_zero engine's optimizer is torch's Adam(W), never Muon: the module is imported once here with
+    DeepSpeed's compile decorator as its own `dummy_decorator` (what DeepSpeed uses where torch has no
+    compile), so its functions stay plain Python and nothing compiles. Returns whether it did so."""
+    import importlib
+    import importlib.util
+    import sys
+
+    from deepspeed.runtime import compiler
+
+    if MUON_MODULE in sys.modules or not hasattr(compiler, "dummy_decorator"):
+        return False
+    try:
+        if importlib.util.find_spec(MUON_MODULE) is None:
+            return False
+    except ModuleNotFoundError:
+        return False
+    compile_decorator = compiler.compile
+    compiler.compile = lambda: compiler.dummy_decorator
+    try:
+        importlib.import_module(MUON_MODULE)
+    finally:
+        compiler.compile = compile_decorator
     return True
 
 
