@@ -176,22 +176,18 @@ def import_muon_uncompiled() -> bool:
     DeepSpeed's compile decorator as its own `dummy_decorator` (what DeepSpeed uses where torch has no
     compile), so its functions stay plain Python and nothing compiles. Returns whether it did so."""
     import importlib
-    import importlib.util
     import sys
 
     from deepspeed.runtime import compiler
 
     if MUON_MODULE in sys.modules or not hasattr(compiler, "dummy_decorator"):
         return False
-    try:
-        if importlib.util.find_spec(MUON_MODULE) is None:
-            return False
-    except ModuleNotFoundError:
-        return False
     compile_decorator = compiler.compile
-    compiler.compile = lambda: compiler.dummy_decorator
+    compiler.compile = lambda: compiler.dummy_decorator  # its package's __init__ too, if it imports Muon
     try:
         importlib.import_module(MUON_MODULE)
+    except ModuleNotFoundError:  # a DeepSpeed without Muon
+        return False
     finally:
         compiler.compile = compile_decorator
     return True
