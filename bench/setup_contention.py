@@ -20,6 +20,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import time
@@ -87,7 +88,15 @@ def run_round(args, count: int) -> dict:
     ]
     for worker in workers:
         worker.start()
-    ranks = [results.get(timeout=600) for _ in workers]
+    ranks = []
+    while len(ranks) < count:
+        try:
+            ranks.append(results.get(timeout=5))
+        except queue.Empty:
+            if any(worker.exitcode not in (None, 0) for worker in workers):
+                for worker in workers:
+                    worker.terminate()
+                raise SystemExit(f"a rank of the round of {count} failed: its error is printed above")
     for worker in workers:
         worker.join()
     start = min(r["started"] for r in ranks)

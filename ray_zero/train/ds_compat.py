@@ -171,10 +171,10 @@ MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
 def import_muon_uncompiled() -> bool:
     """DeepSpeed's ZeRO and bf16 optimizers import its Muon optimizer in `deepspeed.initialize`, to check
     the optimizer's class; that module wraps its functions in `torch.compile` as it is imported, which
-    imports TorchInductor (about 2 s of a ZeRO engine's set-up on one CPU core: bench/sweep_waves.md). A
-    ray_zero engine's optimizer is torch's Adam(W), never Muon: the module is imported once here with
-    DeepSpeed's compile decorator as its own `dummy_decorator` (what DeepSpeed uses where torch has no
-    compile), so its functions stay plain Python and nothing compiles. Returns whether it did so."""
+    imports TorchInductor (what that costs a set-up: bench/sweep_waves.md). A ray_zero engine's optimizer
+    is torch's Adam(W), never Muon: the module is imported once here with DeepSpeed's compile decorator as
+    its own `dummy_decorator` (what DeepSpeed uses where torch has no compile), so its functions stay plain
+    Python and nothing compiles. Returns whether it did so."""
     import importlib
     import sys
 
