@@ -36,8 +36,8 @@ def rank(checkout, experiment_path, overrides, engine, micro_batch, cpus, gpu, b
     sys.path.insert(0, checkout)
     if cpus:
         os.sched_setaffinity(0, range(cpus))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0")
-    os.environ["WORLD_SIZE"] = "1"
+    port = str(free_port())
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     import torch
     import torch.distributed as dist
 

@@ -145,9 +145,10 @@ class _Run:
     def train(self) -> dict[str, Any]:
         # Set-up beside other trials' set-ups on this device, never while one of them measures or waits
         # for its turn: waiting for it, the rank waits for the GPU (turn_wait_s, not its model build).
+        slot = contextlib.nullcontext()
         if self.turn is not None:
             self.phase = TURN_WAIT
-        slot = contextlib.nullcontext() if self.turn is None else self.turn.setting_up(self.world_size == 1)
+            slot = self.turn.setting_up(self.world_size == 1)
         with slot:
             self._since = time.perf_counter()
             self.timings["set_up_from"] = time.time()
