@@ -30,7 +30,7 @@ def sample(path: Path) -> subprocess.Popen:
 def read(output: Path) -> pd.DataFrame:
     """Every gpu_log*.csv in `output` (nvidia-smi, QUERY): time (epoch s), SM MHz, util %."""
     frames = []
-    for path in sorted(output.glob("gpu_log*.csv")):
+    for path in sorted(output.glob("gpu_log*.csv*")):
         frame = pd.read_csv(path, header=None, names=QUERY.split(","), skipinitialspace=True)
         frame = frame[frame["timestamp"].astype(str).str.match(r"\d{4}/")]
         stamps = pd.to_datetime(frame["timestamp"], format="%Y/%m/%d %H:%M:%S.%f")  # the GPU machine's UTC

@@ -1,12 +1,14 @@
-"""Every committed results folder re-rendered by `report`, by this checkout and by another, compared.
+"""Every committed results folder re-rendered by `report` (pages and figures too), by this checkout alone
+or beside another, compared.
 
-Each folder (a trials.jsonl under results/ or bench/results/) is copied twice to a scratch folder; each
-copy is re-rendered by `python -m ray_zero report` run from one checkout. A folder passes when both
-exit 0 and every cell of the other checkout's results.csv is the same in this one's (columns this one
-adds aside, and those this one keeps in trials.jsonl only: the registry's record tier). Prints one line
-per folder that does not pass, then the count.
+Each folder (a trials.jsonl or trials.jsonl.gz under results/ or bench/results/) is copied to a scratch
+folder and re-rendered by `python -m ray_zero report` run from a checkout. Alone, a folder passes when
+`report` exits 0 and wrote report.html. With --other, it is copied twice, once per checkout, and passes
+when both exit 0 and every cell of the other checkout's results.csv is the same in this one's (columns
+this one adds aside, and those this one keeps in trials.jsonl only: the registry's record tier). Prints
+one line per folder that does not pass, then the count.
 
-    python bench/rerender_check.py --other /path/to/older/checkout [--scratch /tmp/rerender]
+    python bench/rerender_check.py [--other /path/to/older/checkout] [--scratch /tmp/rerender]
 """
 
 from __future__ import annotations
@@ -65,13 +67,21 @@ def differences(old: pd.DataFrame, new: pd.DataFrame) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--other", type=Path, required=True, help="another checkout of ray_zero")
+    parser.add_argument("--other", type=Path, help="another checkout of ray_zero")
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/rerender"))
     args = parser.parse_args(argv)
     roots = ("results", "bench/results")
-    folders = sorted({p.parent for r in roots for p in (ROOT / r).rglob("trials.jsonl")})
+    folders = sorted({p.parent for r in roots for p in (ROOT / r).rglob("trials.jsonl*")})
     failing = 0
     for folder in folders:
+        if args.other is None:
+            new = render(folder, ROOT, args.scratch)
+            drawn = args.scratch / ROOT.name / folder.relative_to(ROOT) / "report.html"
+            problem = new if isinstance(new, str) else "" if drawn.is_file() else "no report.html"
+            failing += bool(problem)
+            if problem:
+                print(f"{folder.relative_to(ROOT)}: {problem}")
+            continue
         old, new = (render(folder, checkout, args.scratch) for checkout in (args.other.resolve(), ROOT))
         if isinstance(new, str) or isinstance(old, str):
             problem = f"this checkout: {new}" if isinstance(new, str) else f"the other: {old}"
@@ -81,7 +91,8 @@ def main(argv=None) -> int:
         if problem:
             failing += 1
             print(f"{folder.relative_to(ROOT)}: {problem}")
-    print(f"{len(folders)} folders, {len(folders) - failing} re-rendered alike by both checkouts")
+    alike = "by this checkout" if args.other is None else "alike by both checkouts"
+    print(f"{len(folders)} folders, {len(folders) - failing} re-rendered {alike}")
     return 1 if failing else 0
 
 

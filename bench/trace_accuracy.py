@@ -75,7 +75,7 @@ class Traces:
 def folders(roots: list[str]) -> list[Path]:
     found = []
     for root in roots:
-        for path in sorted((ROOT / root).rglob("trials.jsonl")):
+        for path in sorted((ROOT / root).rglob("trials.jsonl*")):
             if (path.parent / "experiment.yaml").is_file():
                 found.append(path.parent)
     return found

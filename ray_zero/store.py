@@ -8,6 +8,7 @@ truncated table behind.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import tempfile
@@ -20,6 +21,8 @@ from ray_zero.schema import recorded_record, trial_record
 
 EXPERIMENT_FILE = "experiment.yaml"
 TRIALS_FILE = "trials.jsonl"
+KEPT_TRIALS_FILE = TRIALS_FILE + ".gz"
+"""trials.jsonl compressed, as a kept folder may hold it (the committed records); read as trials.jsonl."""
 PUBLISHED = (
     "results.csv",
     "results.md",
@@ -39,11 +42,15 @@ PUBLISHED = (
 
 def atomic_write(path: Path, text: str) -> None:
     """Write to a temporary file in the same folder, then rename over the target."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -59,12 +66,36 @@ def append_trial(output_dir: Path, row: dict[str, Any]) -> None:
         os.fsync(record.fileno())
 
 
+def trials_path(output_dir: Path) -> Path:
+    """The folder's trials.jsonl, or its trials.jsonl.gz where only that is there (a kept folder)."""
+    plain, kept = Path(output_dir) / TRIALS_FILE, Path(output_dir) / KEPT_TRIALS_FILE
+    return kept if kept.is_file() and not plain.is_file() else plain
+
+
+def has_trials(output_dir: Path) -> bool:
+    return trials_path(output_dir).is_file()
+
+
+def read_trials_text(output_dir: Path) -> str:
+    """trials.jsonl's text, compressed or not; "" when the folder has none."""
+    path = trials_path(output_dir)
+    if not path.is_file():
+        return ""
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+
+
 def replace_trials(output_dir: Path, rows: list[dict[str, Any]]) -> None:
     """trials.jsonl rewritten with `rows` (each checked against the registry, an earlier version's own
-    fields kept), atomically: `report --predict` stores the prediction it made again."""
+    fields kept), atomically, compressed where it was: `report --predict` stores the prediction it made
+    again."""
     for row in rows:
         recorded_record(row)
-    atomic_write(output_dir / TRIALS_FILE, "".join(json.dumps(row, default=str) + "\n" for row in rows))
+    text = "".join(json.dumps(row, default=str) + "\n" for row in rows)
+    path = trials_path(output_dir)
+    if path.suffix == ".gz":
+        atomic_write_bytes(path, gzip.compress(text.encode(), mtime=0))
+    else:
+        atomic_write(path, text)
 
 
 def repair_trials(output_dir: Path) -> bool:
@@ -85,16 +116,15 @@ def repair_trials(output_dir: Path) -> bool:
 
 
 def load_trials(output_dir: Path) -> list[dict[str, Any]]:
-    """The latest row of each trial (a half-written last line, from a crash, is skipped)."""
+    """The latest row of each trial, from trials.jsonl or a kept folder's trials.jsonl.gz (a half-written
+    last line, from a crash, is skipped)."""
     rows: dict[str, dict[str, Any]] = {}
-    path = output_dir / TRIALS_FILE
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            rows[row["trial"]] = row
+    for line in read_trials_text(output_dir).splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        rows[row["trial"]] = row
     return list(rows.values())
 
 

@@ -23,6 +23,7 @@ import yaml
 
 from ray_zero.report.page import render_html, write_html_report
 from ray_zero.report.tables import rerender, row_notes
+from ray_zero.store import read_trials_text
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_FOLDERS = ["memory_scaling-h200x2", "oom_probe-h200", "zero1_mnist-h200"]
@@ -284,7 +285,7 @@ def fifty_rows(tmp_path: Path) -> Path:
     folder = tmp_path / "fifty"
     folder.mkdir()
     shutil.copy(source / "experiment.yaml", folder / "experiment.yaml")
-    rows = [json.loads(line) for line in (source / "trials.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in read_trials_text(source).splitlines() if line.strip()]
     with open(folder / "trials.jsonl", "w") as out:
         for index in range(50):
             row = json.loads(json.dumps(rows[index % len(rows)]))
@@ -338,7 +339,7 @@ def test_folders_of_older_versions(tmp_path):
     folder = tmp_path / "no_ranks"
     shutil.copytree(ROOT / "results" / "memory_scaling-h200x2", folder)
     (folder / "per_rank.csv").unlink()
-    rows = [json.loads(line) for line in (folder / "trials.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in read_trials_text(folder).splitlines() if line.strip()]
     (folder / "trials.jsonl").write_text(
         "".join(json.dumps({k: v for k, v in row.items() if k != "per_rank"}) + "\n" for row in rows)
     )
@@ -362,7 +363,7 @@ def fit_folder(tmp_path: Path) -> Path:
     search's timed rerun (…_timed), and fit.csv as `fit` writes it."""
     folder = tmp_path / "fit"
     shutil.copytree(ROOT / "results" / "oom_probe-h200", folder)
-    rows = [json.loads(line) for line in (folder / "trials.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in read_trials_text(folder).splitlines() if line.strip()]
     timed = []
     for row in rows:
         if row["status"] == "ok":
@@ -463,7 +464,7 @@ def test_each_ok_trial_has_a_bar_of_its_step_split(tmp_path):
     shutil.copytree(ROOT / "bench" / "results" / "speed-cpu-2core" / "sweep", folder)
     write_html_report(folder)
     text = html.unescape((folder / "report.html").read_text())
-    rows = [json.loads(line) for line in (folder / "trials.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in read_trials_text(folder).splitlines() if line.strip()]
     ok = [row for row in rows if row["status"] == "ok"]
     assert len(ok) == 16
     figure = re.search(r'data-kind="steps" data-drawn="(\w+)"', text)
@@ -489,7 +490,7 @@ def test_a_folder_with_a_bandwidth_file_predicts_speed_beside_the_measured(tmp_p
     assert "Speed at other worker counts, predicted" in section
     assert "bandwidth.json (2 workers, gloo" in section
     assert str(tmp_path) not in section
-    rows = [json.loads(line) for line in (folder / "trials.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in read_trials_text(folder).splitlines() if line.strip()]
     for row in rows:
         if row["status"] == "ok" and row["num_workers"] == 2:  # measured beside its prediction
             assert f"{row['samples_per_s']:.4g}"[:4] in section

@@ -18,6 +18,7 @@ from ray_zero.config import ConfigError, is_calibration
 from ray_zero.measure.bandwidth import Bandwidth, given, read_bandwidth
 from ray_zero.measure.speed_model import predict_speed
 from ray_zero.rows import EARLIER_DEFAULTS
+from ray_zero.store import has_trials
 
 BANDWIDTH_FILE = "bandwidth.json"
 """A sweep folder's bandwidth file (`python -m ray_zero bandwidth --output DIR/bandwidth.json`): with it, the
@@ -123,7 +124,7 @@ def speed_source(measured, bandwidth, busbw) -> Optional[Bandwidth]:
                 "--bandwidth and --busbw go with --measured DIR (a sweep's folder to predict from)"
             )
         return None
-    if not (Path(measured) / "trials.jsonl").is_file():
+    if not has_trials(Path(measured)):
         raise ConfigError(f"--measured {measured}: no trials.jsonl there (give a sweep's output folder)")
     if (bandwidth is None) == (busbw is None):
         raise ConfigError(

@@ -95,6 +95,13 @@ def rerender(output_dir: Path, predict: bool = False) -> pd.DataFrame:
     From trials.jsonl (the measurements and each row's prediction as recorded), the aggregates and ratios
     made with this version of ray_zero. `predict` (`report DIR --predict`): every row predicted again by
     this version, its step traced again on the meta device, and trials.jsonl rewritten with it."""
+    frame = rerender_tables(output_dir, predict)
+    write_pages(output_dir, frame)
+    return frame
+
+
+def rerender_tables(output_dir: Path, predict: bool = False) -> pd.DataFrame:
+    """rerender's tables (results.csv, results.md, per_rank.csv), without the page and its figures."""
     rows = load_trials(output_dir)
     if not rows:
         raise FileNotFoundError(f"{output_dir}: no trials.jsonl here (give the --output folder of a sweep)")
@@ -108,15 +115,14 @@ def rerender(output_dir: Path, predict: bool = False) -> pd.DataFrame:
     rows = [finish_recorded(row, experiment, calibration, predict) for row in rows]
     if predict:
         replace_trials(output_dir, rows)
-    frame = write_results(output_dir, rows, saved.get("provenance"))
-    write_pages(output_dir, frame)
-    return frame
+    return write_results(output_dir, rows, saved.get("provenance"))
 
 
 def _recalibrate(output_dir: Path, rows: list[dict], experiment: dict) -> dict | None:
-    """calibration.json again from the calibration trials' rows, with this version's arithmetic."""
+    """calibration.json again from the calibration trials' rows, with this version's arithmetic (not for a
+    folder that kept no experiment.yaml: the rows keep the predictions they were recorded with)."""
     measured = [row for row in rows if is_calibration(row.get("trial", ""))]
-    if not measured:
+    if not measured or not experiment:
         return None
     for row in measured:
         row.update(aggregate_ranks(row.get("per_rank") or []))

@@ -32,6 +32,7 @@ from ray_zero.run.trial import run_trial
 from ray_zero.run.trial_log import trial_log
 from ray_zero.store import (
     EXPERIMENT_FILE,
+    KEPT_TRIALS_FILE,
     TRIALS_FILE,
     append_trial,
     atomic_write,
@@ -39,6 +40,7 @@ from ray_zero.store import (
     publish,
     read_provenance,
     repair_trials,
+    trials_path,
 )
 
 DRIVER_MEMORY_BYTES = 256 * 1024**2
@@ -74,7 +76,12 @@ class _QuietTuner(tune.Tuner):
 def check_output_dir(output_dir: Path, resume: bool = False) -> None:
     """Writable, and (unless resuming) without an earlier sweep's trials: a new sweep there would mix its
     rows into that sweep's table under its own provenance."""
-    trials = output_dir / TRIALS_FILE
+    trials = trials_path(output_dir)
+    if trials.name == KEPT_TRIALS_FILE:
+        raise ConfigError(
+            f"--output {output_dir}: a kept sweep's folder ({KEPT_TRIALS_FILE}); give a new folder, or "
+            f"gunzip {trials} to resume it"
+        )
     if not resume and trials.is_file() and trials.stat().st_size:
         raise ConfigError(
             f"--output {output_dir}: already holds a sweep's results ({TRIALS_FILE}); give a new "
