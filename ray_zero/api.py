@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -284,6 +285,8 @@ def estimate(
     from ray_zero.report.estimate import grid_overrides, this_gpu_gib
     from ray_zero.report.speed_estimate import speed_head, speed_source, speed_table
 
+    if gpu_gib is not None and not 0 < gpu_gib < math.inf:
+        raise ConfigError(f"--gpu-gib {gpu_gib:g}: a GPU's memory in GiB, a number above 0")
     source = speed_source(measured, bandwidth, busbw)
     if not model and measured is not None:
         model = dict(read_experiment_file(Path(measured)).get("experiment") or {})

@@ -43,6 +43,7 @@ CASES = [
         "n_layers",
     ),
     ("unknown timm model", [QUICK, "--set", "model=timm:vit_tinyy_patch16_224"], "vit_tiny_patch16_224"),
+    ("timm model without a head", [QUICK, "--set", "model=timm:vit_small_patch14_dinov2"], "set num_classes"),
     ("factory not importable", [QUICK, "--set", "model=examples/nope.py:build"], "examples/nope.py"),
     ("seq_len beyond the model", [QUICK, "--set", "model=hf:gpt2", "--set", "seq_len=4096"], "4096"),
     (
@@ -130,3 +131,9 @@ def test_report_of_a_folder_without_results(tmp_path, capsys):
 def test_fit_on_cpu_without_a_budget_is_refused(capsys):
     code, _, stderr = _main_here(["fit", QUICK, "--set", "device=cpu"], capsys)
     assert code == 2 and "needs --budget-gib" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("gib", ["-3", "0", "nan"])
+def test_estimate_refuses_a_gpu_of_no_memory(gib, capsys):
+    code, _, stderr = _main_here(["estimate", "--model", "seed", "--gpu-gib", gib], capsys)
+    assert code == 2 and f"--gpu-gib {gib}: a GPU's memory in GiB" in stderr and "Traceback" not in stderr

@@ -29,6 +29,11 @@ def build_timm(name: str, config: dict, seq_len, input_shape, num_classes) -> Bu
         module = timm.create_model(name, pretrained=False, **config)
     except Exception as error:
         raise ModelError(f"building {source} with model_config {config} failed: {one_line(error)}") from None
+    if not module.num_classes:  # a feature extractor (SAM's, DINOv2's encoders): no labels to train on
+        raise ModelError(
+            f"{source} has no classifier head (it is built with 0 classes); set num_classes, e.g. "
+            "--set num_classes=1000"
+        )
     channels, height, width = module.pretrained_cfg["input_size"]
     size = config.get("img_size")  # the default size is the pretrained one, which img_size overrides
     if size is not None:
