@@ -254,11 +254,21 @@ def test_what_each_engine_leaves_on_its_fullest_rank_tensor_by_tensor():
     # ZeRO-3: each tensor split (rounded up), those of at most 1e5 elements also whole on every rank.
     big, small = (200_001,), (7,)
     assert held([big, small], [], "deepspeed", 3, 2) == Held(
-        params=100_001 + 4 + 7, gradients=100_005, states=100_005, trainable=200_008
+        params=100_001 + 4 + 7, gradients=100_005, states=100_005, trainable=200_008, step_group=100_005
     )
     assert (
         held([big, small], [], "deepspeed", 3, 1).params == 200_008
     )  # one rank: its partition is the tensor
+    # ZeRO-3 steps its partition in sub-groups of at least 1e9 elements (a group closes on the tensor that
+    # reaches it): a 3 B model at one rank in groups of 1.2e9, 1.1e9 and the rest.
+    from ray_zero.measure.partitions import zero3_sub_groups
+
+    layers = [(600_000_000,)] * 2 + [(550_000_000,)] * 2 + [(700_000_000,)]
+    assert zero3_sub_groups([600_000_000] * 2 + [550_000_000] * 2 + [700_000_000]) == [
+        1_200_000_000, 1_100_000_000, 700_000_000
+    ]  # fmt: skip
+    assert held(layers, [], "deepspeed", 3, 1).step_group == 1_200_000_000
+    assert held(layers, [], "deepspeed", 3, 2).step_group == 1_150_000_000  # 300 M + 300 M + 275 M + 275 M
     # ZeroRedundancyOptimizer: whole tensors, largest first, to the least loaded rank.
     assert held([(64_000,), (100,), (100,), (50,)], [], "torch_zero", 1, 2).states == 64_000
     assert held([(64_000,), (100,)], [], "torch_zero", 0, 2).states == 64_100  # DDP: no split

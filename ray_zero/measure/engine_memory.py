@@ -116,14 +116,15 @@ def deepspeed(
             step_transient_bytes=transient,
         )
     else:  # the paper's split, with an fp32 master partition in fp32 training too (DeepSpeed keeps one);
-        # its step peaks 8 bytes per parameter (of this rank's partition) above the states, as stage 0's
-        # (docs/h200-results.md).
+        # its step peaks 8 bytes per parameter above the states, as stage 0's (docs/h200-results.md), but
+        # of one sub-group at a time: each sub-group's fp32 gradient and Adam's temporaries are freed
+        # before the next (stage3.py's _release_sub_group).
         parts = dict(
             parameter_bytes=low * h.params,
             gradient_bytes=low * h.gradients,
             master_param_bytes=4 * h.states,
             optimizer_state_bytes=8 * h.states,
-            step_transient_bytes=(8 if precision != "fp32" else 4) * h.states,
+            step_transient_bytes=(8 if precision != "fp32" else 4) * h.stepped_at_once,
         )
     if offload != "none":
         # In CPU memory, not on the device: the master, Adam's states, the step, and the gradient

@@ -24,8 +24,10 @@ HELD_COLUMNS = (
     "gradient_elements_per_rank",
     "state_elements_per_rank",
     "trainable_params",
+    "step_group_elements_per_rank",
 )
-"""Row fields (trial_row) of what the fullest rank holds, in elements (ray_zero.measure.partitions.Held)."""
+"""Row fields (trial_row) of what the fullest rank holds, in elements (ray_zero.measure.partitions.Held);
+the last is blank where the whole partition is stepped at once, and in rows of earlier versions."""
 # cuBLAS and cuBLASLt workspaces that torch allocates through its caching allocator at the first matmul:
 # 64 MiB, measured on an H200 with torch 2.11. Zero on CPU.
 CUDA_WORKSPACE_BYTES = 64 * 1024**2
@@ -48,7 +50,9 @@ def preset_activation_bytes(
 def held_in_row(row: dict[str, Any]) -> Optional[Held]:
     """The elements the fullest rank holds, as trial_row recorded them (None in rows of earlier versions)."""
     values = [row.get(key) for key in HELD_COLUMNS]
-    return Held(*values) if all(isinstance(v, (int, float)) for v in values) else None
+    if not all(isinstance(v, (int, float)) for v in values[:-1]):
+        return None
+    return Held(*values[:-1], step_group=values[-1] if isinstance(values[-1], (int, float)) else None)
 
 
 def activation_estimate(

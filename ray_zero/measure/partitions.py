@@ -30,6 +30,8 @@ DEEPSPEED_PERSISTENCE_THRESHOLD = 100_000
 """DeepSpeed's stage3_param_persistence_threshold default: parameters this small stay whole on every rank."""
 DEEPSPEED_ALIGNMENT = 2
 """ZeRO-1/2's nccl_start_alignment_factor: its flat buffer is padded to a multiple of this times N."""
+DEEPSPEED_SUB_GROUP_SIZE = 1_000_000_000
+"""ZeRO-3's sub_group_size default (ray_zero's config leaves it): its step handles one sub-group at a time."""
 
 Shape = Sequence[int]
 
@@ -45,17 +47,26 @@ class Held:
     """Elements whose master copy and optimizer states the rank keeps (the partition it steps)."""
     trainable: float
     """Parameters that train (all ranks): the replicated engines' gradients and states."""
+    step_group: float | None = None
+    """Elements of the largest group the optimizer steps at once, where an engine steps its partition in
+    groups (ZeRO-3's sub-groups); None: the whole partition (`states`)."""
+
+    @property
+    def stepped_at_once(self) -> float:
+        return self.states if self.step_group is None else self.step_group
 
 
 def even(params: float, backend: str, stage: int, num_workers: int, trainable: float | None = None) -> Held:
     """The split when the shapes are unknown: every partition an even 1/N, nothing kept whole."""
     n, t = num_workers, params if trainable is None else trainable
     sharded = _rule(backend).sharded(stage)
+    states = t / n if "states" in sharded else t
     return Held(
         params=params / n if "params" in sharded else params,
         gradients=t / n if "gradients" in sharded else t,
-        states=t / n if "states" in sharded else t,
+        states=states,
         trainable=t,
+        step_group=min(states, DEEPSPEED_SUB_GROUP_SIZE) if (backend, stage) == ("deepspeed", 3) else None,
     )
 
 
@@ -94,11 +105,15 @@ def _deepspeed(trainable_shapes, frozen_shapes, stage: int, n: int, unreached=fr
         partition, gradients = zero12_partitions(trainable, n, unreached)
         return Held(params=partition * n + p - t, gradients=gradients, states=partition, trainable=t)
     if stage == 3:
-        split = sum(math.ceil(s / n) for s in trainable)
+        split = [math.ceil(s / n) for s in trainable]
         # At one rank the partition is the whole tensor, one storage: nothing besides it.
         whole = sum(s for s in every if s <= DEEPSPEED_PERSISTENCE_THRESHOLD) if n > 1 else 0
         return Held(
-            params=sum(math.ceil(s / n) for s in every) + whole, gradients=split, states=split, trainable=t
+            params=sum(math.ceil(s / n) for s in every) + whole,
+            gradients=sum(split),
+            states=sum(split),
+            trainable=t,
+            step_group=max(zero3_sub_groups(split), default=0),
         )
     return _replicated(trainable_shapes, frozen_shapes)
 
@@ -158,6 +173,20 @@ def zero12_partitions(sizes: list[int], n: int, unreached=frozenset()) -> tuple[
             start += size
         most = max(most, overlapping)
     return partition, most
+
+
+def zero3_sub_groups(partitions: list[int], size: int = DEEPSPEED_SUB_GROUP_SIZE) -> list[int]:
+    """ZeRO-3's sub-groups (stage3.py's _create_fp16_sub_groups), in elements of this rank's partitions:
+    tensors in order, a group closed once it holds at least `size` (so it can pass `size` by one tensor)."""
+    if sum(partitions) <= size:
+        return [sum(partitions)]
+    groups, current = [], 0
+    for elements in partitions:
+        current += elements
+        if current >= size:
+            groups.append(current)
+            current = 0
+    return groups + ([current] if current else [])
 
 
 def _greedy_largest(sizes: list[int], n: int) -> int:

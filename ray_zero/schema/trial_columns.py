@@ -72,6 +72,7 @@ TRIAL = Registry(
         column("gradient_elements_per_rank", float, "elements", R, "gradients the engine leaves on its fullest rank"),
         column("state_elements_per_rank", float, "elements", R, "elements whose master and Adam's states the fullest rank keeps"),
         column("trainable_params", float, "parameters", R, "parameters that train"),
+        column("step_group_elements_per_rank", float, "elements", R, "the most elements the optimizer steps at once (ZeRO-3's sub-group; blank: the whole partition)"),
         column("gpu_share", float, "", R, "the share of a GPU each worker reserved (under 1: beside other trials on it)"),
         column("oom_while_sharing", str, "", R, "the error of a run out of memory beside other trials, before the trial ran again alone"),
         # the prediction, term by term (ray_zero/measure/memory_model.py), made once with the row
