@@ -216,7 +216,8 @@ def _held(model, point) -> dict[str, Any]:
         point.num_workers,
         getattr(model, "unreached_params", ()),
     )
-    return dict(zip(HELD_COLUMNS, (held.params, held.gradients, held.states, held.trainable, held.step_group)))
+    values = (held.params, held.gradients, held.states, held.trainable, held.step_group)
+    return dict(zip(HELD_COLUMNS, values))
 
 
 def _comm(spec) -> dict[str, Any]:
