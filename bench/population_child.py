@@ -184,6 +184,7 @@ def run_family(job: dict, say, connection, record: dict) -> dict:
     folder = Path(job["folder"])  # written after "go": the provenance's device name opens a CUDA context
     folder.mkdir(parents=True, exist_ok=True)
     provenance = _provenance(job, experiment, device)
+    record.update(gpu=provenance["driver_gpus"], gpu_memory_gib=provenance["gpu_memory_gib"])
     atomic_write(
         folder / EXPERIMENT_FILE,
         yaml.safe_dump(

@@ -55,14 +55,17 @@ def _rows(records: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def _stats_line(label: str, ratios: list[float]) -> str:
+def _stats_line(label: str, rows: list[dict]) -> str:
+    """One line of the table: families, rows, median |ratio - 1|, within 5 %, range, under by > 5 %."""
+    ratios = [r["ratio"] for r in rows]
     if not ratios:
-        return f"| {label} | 0 | | | | |"
+        return f"| {label} | 0 | 0 | | | | |"
     errors = [abs(r - 1) for r in ratios]
     within = sum(e <= OFF for e in errors)
     under = sum(r > 1 + OFF for r in ratios)
+    families, median = len({r["family"] for r in rows}), 100 * statistics.median(errors)
     return (
-        f"| {label} | {len(ratios)} | {100 * statistics.median(errors):.1f} % | {within} | "
+        f"| {label} | {families} | {len(ratios)} | {median:.1f} % | {within} | "
         f"{min(ratios):.3f}-{max(ratios):.3f} | {under} |"
     )
 
@@ -106,7 +109,6 @@ def tables(folders: list[Path]) -> str:
     records, ops = load(folders)
     rows = _rows(records)
     out = [f"# The GPU population (issue 65): {len(records)} families, {len(rows)} rows with a ratio", ""]
-    out += _header(records) + [""]
     statuses: dict[str, int] = {}
     for record in records.values():
         statuses[record.get("status", "?")] = statuses.get(record.get("status", "?"), 0) + 1
@@ -115,17 +117,18 @@ def tables(folders: list[Path]) -> str:
         mine = [r for r in rows if r["set"] == which]
         families = {r["family"] for r in records.values() if r["set"] == which}
         out += [f"## {which}: {len(families)} families, {len(mine)} rows", ""]
+        out += _header({f: r for f, r in records.items() if r["set"] == which}) + [""]  # its own parts
         out += [
-            "| class / form | rows | median \\|measured/predicted − 1\\| | within 5 % | range | "
+            "| class / form | families | rows | median \\|measured/predicted − 1\\| | within 5 % | range | "
             "under-predicted > 5 % |",
-            "|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|",
         ]
         for cls in CLASSES:
             of_class = [r for r in mine if r["cls"] == cls]
-            out.append(_stats_line(f"**{cls}**", [r["ratio"] for r in of_class]))
+            out.append(_stats_line(f"**{cls}**", of_class))
             for form in FORMS:
-                out.append(_stats_line(f"{cls}: {form}", [r["ratio"] for r in of_class if r["form"] == form]))
-        out.append(_stats_line("**all**", [r["ratio"] for r in mine]))
+                out.append(_stats_line(f"{cls}: {form}", [r for r in of_class if r["form"] == form]))
+        out.append(_stats_line("**all**", mine))
         off = sorted((r for r in mine if abs(r["ratio"] - 1) > OFF), key=lambda r: -abs(r["ratio"] - 1))
         out += ["", f"Rows off by more than 5 % ({len(off)}):", ""]
         if off:
