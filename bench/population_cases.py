@@ -230,16 +230,26 @@ def choose_micro_batch(source, target_bytes: float) -> dict[str, Any]:
     tried: list[list] = []
     chosen: Optional[int] = None
     why = ""
+    rises: dict[int, float] = {}
+
+    def within(size: int) -> bool:
+        if size not in rises:
+            step = trace_step(spec, size, form, False)
+            rises[size] = step.rise(step.gradient_bytes)
+            tried.append([size, round(rises[size] / GIB, 4)])
+        return rises[size] <= target_bytes
+
+    # The rise grows with the micro-batch, at most in proportion from one sample: the size one sample's
+    # rise allows is a lower bound; then up while within the target, down while not (3 traces, not 9).
     try:
         spec = build_on_meta(lambda: build_model_spec(source))
         prepare(spec, form, False)
-        for size in SIZES:
-            step = trace_step(spec, size, form, False)
-            rise = step.rise(step.gradient_bytes)
-            tried.append([size, round(rise / GIB, 4)])
-            if rise > target_bytes:
-                break
-            chosen = size
+        if within(SIZES[0]):
+            chosen = max(s for s in SIZES if s * rises[SIZES[0]] <= target_bytes or s == SIZES[0])
+            while chosen > SIZES[0] and not within(chosen):
+                chosen = SIZES[SIZES.index(chosen) - 1]
+            while chosen < SIZES[-1] and within(SIZES[SIZES.index(chosen) + 1]):
+                chosen = SIZES[SIZES.index(chosen) + 1]
     except Exception as error:  # TraceError or the model's own: untraced: the smallest size, and the reason
         from ray_zero.models.source import one_line
 
