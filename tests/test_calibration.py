@@ -196,3 +196,6 @@ def test_a_traced_row_keeps_its_traced_term_and_shows_the_calibrated_one_beside_
     assert fields["predicted_peak_calibrated_gib"] < fields["predicted_peak_gib"]
     untraced = prediction_fields({**_row_of(), "trace_note": "reads a value of its data"}, written)
     assert untraced["activation_source"] == "calibrated" and "calibrated_activation_gib" not in untraced
+    # A checkpointed row's basis says it is unchecked; its term is still the traced one (not "preset shapes").
+    checkpointed = {**row, "stage": 1, "precision": "fp16", "activation_checkpointing": True}
+    assert prediction_fields(checkpointed, None)["activation_source"] == "traced"

@@ -117,6 +117,21 @@ def test_checkpointing_keeps_the_blocks_inputs_only():
     assert kept < trace_step(plain, 4, form).forward_bytes / 2
 
 
+def test_a_checkpointed_block_is_recomputed_with_cudas_casts_and_kernels():
+    # Autograd runs backward with no torch function mode: each checkpointed block's recompute enters the
+    # mode again, so DDP's form (fp32 weights under bf16 autocast) recomputes in bf16 as it ran forward
+    # (torch.utils.checkpoint refused a recompute in fp32) and takes the fused attention.
+    form = module_form("torch_zero", "bf16")
+    plain, checkpointed = (build_on_meta(lambda: build_model_spec(GPT2)) for _ in range(2))
+    prepare(plain, form, False)
+    prepare(checkpointed, form, True)
+    traced = trace_step(checkpointed, 4, form, True)
+    assert dict(traced.attention) == {"flash": 4}  # two blocks, each run forward and again in backward
+    whole = trace_step(plain, 4, form)
+    assert traced.forward_bytes < whole.forward_bytes / 2
+    assert traced.rise(traced.gradient_bytes) < whole.rise(whole.gradient_bytes)
+
+
 def test_a_step_that_reads_its_data_is_not_traced():
     module = nn.Linear(4, 4)
 

@@ -115,9 +115,11 @@ def predict_point(row: dict[str, Any], calibration: Optional[dict] = None, trace
     compute = prediction.compute_bytes
     if source == "activations traced" and row["backend"] == "torch_zero":
         compute = 0.0  # autocast's low-precision copies of the weights are in the traced step
-    basis = prediction.basis if source == "preset shapes" else f"{prediction.basis}; {source}"
+    basis = prediction.basis
     if row.get("activation_checkpointing") and basis.startswith("checked"):
         basis = "unchecked (activation checkpointing)"
+    if source != "preset shapes":  # the activations' source stays in the basis (the row's activation_source)
+        basis = f"{basis}; {source}"
     return Prediction(
         **{
             **prediction.__dict__,

@@ -15,11 +15,16 @@ memory, what a CUDA device (sm80 or newer) does:
 
 Dropout's mask (1 byte an element from CUDA's fused kernel, the input's dtype on meta) is counted by the
 tracker itself, which sees every operator. On a CUDA device nothing is changed. torch only.
+
+A checkpointed block is run again in backward, where torch runs no function mode: the mode is entered
+again for it (a module called where it is not active), with autocast's cache of its own, as
+torch.utils.checkpoint enters autocast afresh for the recompute.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator, Optional
 
 import torch
@@ -134,6 +139,25 @@ class _CudaMode(TorchFunctionMode):
         super().__init__()
         self.autocast = autocast
         self.casts: dict[int, torch.Tensor] = {}
+        self._recomputing: Optional[tuple[int, dict]] = None
+        """(the module the mode was entered again for, the forward's cast cache) during a recompute."""
+        self._thread = threading.get_ident()  # another thread's modules are not this trace's
+
+    def reenter(self, module, args) -> None:
+        """A module called where the mode is not active (a checkpointed block recomputed in backward):
+        the mode again until it returns, with a cast cache of the recompute's own."""
+        here = threading.get_ident() == self._thread
+        if here and self._recomputing is None and self not in _function_modes():
+            self._recomputing = (id(module), self.casts)
+            self.casts = {}
+            self.__enter__()
+
+    def leave(self, module, args, output) -> None:
+        if self._recomputing is not None and self._recomputing[0] == id(module):
+            self.__exit__(None, None, None)
+            self.casts.clear()  # the recompute's casts live on only where its backward keeps them
+            self.casts = self._recomputing[1]
+            self._recomputing = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -197,9 +221,20 @@ def cuda_kernels(autocast: Optional[torch.dtype] = None) -> Iterator[Kernels]:
     _CHOICES.clear()
     mode = _CudaMode(autocast)
     F.scaled_dot_product_attention = mode.attention
+    hooks = (
+        torch.nn.modules.module.register_module_forward_pre_hook(mode.reenter),
+        torch.nn.modules.module.register_module_forward_hook(mode.leave, always_call=True),
+    )
     try:
         with mode:
             yield Kernels(mode)
     finally:
+        for hook in hooks:
+            hook.remove()
         F.scaled_dot_product_attention = _SDPA
         mode.casts.clear()
+
+
+def _function_modes() -> list:
+    """The torch function modes active in this thread (none while autograd runs a backward)."""
+    return torch.overrides._get_current_function_mode_stack()
