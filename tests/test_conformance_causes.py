@@ -247,7 +247,7 @@ def unreached_model() -> nn.Module:
     return Pooled()
 
 
-@pytest.mark.parametrize("backend, stage", [("deepspeed", 1), ("fsdp", 3)])
+@pytest.mark.parametrize("backend, stage", [("deepspeed", 1), ("fsdp", 3), ("torch_zero", 1)])
 def test_parameters_the_loss_does_not_reach_are_predicted(ranks, monkeypatch, backend, stage):
     """The counting backward finds the pooler unreached (ModelInfo.unreached_params); DeepSpeed ZeRO-1
     holds a zero gradient for it beside its buffer, FSDP2 no gradient and no Adam states: each to the byte

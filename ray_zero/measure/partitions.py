@@ -119,11 +119,13 @@ def _deepspeed(trainable_shapes, frozen_shapes, stage: int, n: int, unreached=fr
 
 
 def _torch_zero(trainable_shapes, frozen_shapes, stage: int, n: int, unreached=frozenset()) -> Held:
+    # DDP (finding the unused parameters) leaves a parameter the loss does not reach without a gradient,
+    # and torch's Adam gives it no states.
     replicated = _replicated(trainable_shapes, frozen_shapes)
-    if stage == 1:
-        states = _greedy_largest([math.prod(s) for s in trainable_shapes], n)
-        return Held(replicated.params, replicated.gradients, states, replicated.trainable)
-    return replicated
+    sizes = [math.prod(s) for s in trainable_shapes]
+    reached = [0 if i in unreached else size for i, size in enumerate(sizes)]
+    states = _greedy_largest(sizes, n, reached) if stage == 1 else sum(reached)
+    return Held(replicated.params, sum(reached), states, replicated.trainable)
 
 
 def _fsdp(trainable_shapes, frozen_shapes, stage: int, n: int, unreached=frozenset()) -> Held:
@@ -189,13 +191,16 @@ def zero3_sub_groups(partitions: list[int], size: int = DEEPSPEED_SUB_GROUP_SIZE
     return groups + ([current] if current else [])
 
 
-def _greedy_largest(sizes: list[int], n: int) -> int:
+def _greedy_largest(sizes: list[int], n: int, counted: Sequence[int] | None = None) -> int:
     """ZeroRedundancyOptimizer._partition_parameters: largest first, to the least-loaded rank (the first
-    such on a tie); the most elements a rank gets."""
-    loads = [0] * n
-    for size in sorted(sizes, reverse=True):
-        loads[loads.index(min(loads))] += size
-    return max(loads)
+    such on a tie); the most elements a rank gets, of `counted` (each tensor's, default its size)."""
+    counted = sizes if counted is None else counted
+    loads, held_counts = [0] * n, [0] * n
+    for index in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
+        rank = loads.index(min(loads))
+        loads[rank] += sizes[index]
+        held_counts[rank] += counted[index]
+    return max(held_counts)
 
 
 def _fsdp_rows(shapes: Sequence[Shape], n: int) -> int:

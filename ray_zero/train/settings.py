@@ -31,6 +31,9 @@ class EngineSettings:
     memory."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of keeping them."""
+    unreached_params: bool = False
+    """The loss reaches only some of the trainable parameters (the model's one-sample count: a vision
+    tower beside text inputs): DDP must look for the unused ones each step."""
 
     @classmethod
     def for_trial(cls, spec: TrialSpec, world_size: int) -> "EngineSettings":
@@ -45,6 +48,7 @@ class EngineSettings:
             optimizer=e.optimizer,
             reduce_bucket_size=e.reduce_bucket_size,
             allgather_bucket_size=e.allgather_bucket_size,
+            unreached_params=bool(getattr(spec.model, "unreached_params", ())),
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -58,7 +58,9 @@ class TorchZeroEngine(_TorchEngine):
         # Stock DDP: its C++ reducer all-reduces the gradient buckets, no comm hook (reducer_bytes counts
         # them).
         self.model = DistributedDataParallel(
-            spec.module, device_ids=[device] if device.type == "cuda" else None
+            spec.module,
+            device_ids=[device] if device.type == "cuda" else None,
+            find_unused_parameters=settings.unreached_params,  # else its second step raises
         )
         params = [p for p in spec.module.parameters() if p.requires_grad]
         optimizer_cls, kwargs = optimizer_class(settings.optimizer.type), optimizer_kwargs(settings)
