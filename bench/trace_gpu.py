@@ -97,7 +97,9 @@ def run_case(name, model, config, seq_len, micro, backend, precision, checkpoint
     original = cuda_kernels._SDPA  # what a traced step's attention calls on a real device
 
     def logged(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        choice = torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        choice = torch._fused_sdp_choice(
+            q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )  # torch 2.11 takes scale and enable_gqa as keywords only
         choices.append(int(choice))
         return original(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 

@@ -123,6 +123,7 @@ def _point_row(spec) -> dict[str, Any]:
         "reduce_bucket_size": experiment.reduce_bucket_size,
         "flops_per_sample": spec.model.flops_per_sample,
         "largest_block_params": spec.model.largest_block_params,
+        "sample_bytes": getattr(spec.model, "sample_bytes", None),
         "gpu_share": spec.gpu_share if spec.use_gpu else None,
         **_held(spec.model, point),
         **_comm(spec),

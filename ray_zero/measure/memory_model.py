@@ -18,6 +18,7 @@ from ray_zero.measure.engine_memory import engine_prediction
 from ray_zero.measure.partitions import Held
 from ray_zero.measure.prediction import BYTES, Prediction
 from ray_zero.models.presets import PRESETS, SAMPLE_BYTES, ModelPreset
+from ray_zero.models.spec import SYNTHETIC_BATCHES
 
 HELD_COLUMNS = (
     "param_elements_per_rank",
@@ -77,6 +78,15 @@ def activation_estimate(
     return per_sample * micro, source
 
 
+def synthetic_data_bytes(row: dict[str, Any]) -> Optional[float]:
+    """What a rank's synthetic data holds on its device (its SYNTHETIC_BATCHES micro-batches, made once);
+    None where the row does not say a sample's bytes or the data is not synthetic."""
+    sample = row.get("sample_bytes")
+    if row.get("dataset") != "synthetic" or not isinstance(sample, (int, float)):
+        return None
+    return float(SYNTHETIC_BATCHES * row["micro_batch_size"] * sample)
+
+
 def engine_for_row(row: dict[str, Any]) -> Prediction:
     """The engine's model states, buckets and step temporaries for a results row (activations aside)."""
     on_gpu = row.get("memory_kind") == "cuda"
@@ -105,10 +115,12 @@ def predict_point(row: dict[str, Any], calibration: Optional[dict] = None, trace
             **{**prediction.__dict__, "activation_bytes": None, "basis": "model states only (CPU)"}
         )
     activations, source = activation_estimate(row, calibration, traced)
-    data = row.get("data_bytes_per_rank_max")
+    data = synthetic_data_bytes(row)
+    if data is None:  # rows of earlier versions: what the rank held, or the presets' samples
+        data = row.get("data_bytes_per_rank_max")
     if not isinstance(data, (int, float)):
         data = (
-            4 * row["micro_batch_size"] * SAMPLE_BYTES
+            SYNTHETIC_BATCHES * row["micro_batch_size"] * SAMPLE_BYTES
             if row["model"] in PRESETS and row.get("dataset") == "synthetic"
             else 0.0
         )

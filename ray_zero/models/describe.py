@@ -40,7 +40,7 @@ from ray_zero.models.source import (  # noqa: F401
     one_line,
     refuse,
 )
-from ray_zero.models.spec import ModelSpec
+from ray_zero.models.spec import ModelSpec, batch_bytes
 from ray_zero.models.timm_source import build_timm
 
 ALLOWED_FORMS = (
@@ -92,6 +92,9 @@ class ModelInfo:
     the counting backward: no gradient in training (a pooler a masked LM skips, a vision-language model's
     vision tower under text-only batches). FSDP2 and torch's Adam then hold no gradient or states for them;
     DeepSpeed ZeRO-1/2 a zero gradient of each, beside its gradient buffer."""
+    sample_bytes: int | None = None
+    """Bytes of one sample's batch as the model's make_batch makes it (fp32 images and int64 tokens, with
+    their labels), None where it could not be made: what synthetic data holds on a rank per sample."""
     saved_bytes_per_sample: int | None = None
     """Bytes autograd saves for backward for one sample (activations, each storage once, parameters left
     out), counted on the meta device in the dtype the model is built in: what calibration sizes from. An
@@ -176,6 +179,7 @@ def describe_model(
         frozen_param_shapes=tuple(tuple(p.shape) for p in params if not p.requires_grad),
         largest_block_params=largest_block,
         unreached_params=unreached,
+        sample_bytes=_sample_bytes(built.spec),
         buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers() if b.is_floating_point()),
         batch_norm_param_shapes=tuple(
             tuple(p.shape)
@@ -184,6 +188,13 @@ def describe_model(
             for p in m.parameters(recurse=False)
         ),
     )
+
+
+def _sample_bytes(spec) -> int | None:
+    try:
+        return batch_bytes(spec.make_batch(1, torch.device("cpu"), torch.Generator().manual_seed(0)))
+    except Exception:  # a factory's batch that cannot be made here: the prediction has no data term
+        return None
 
 
 def build_model_spec(

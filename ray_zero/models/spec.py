@@ -55,6 +55,10 @@ def cast_floating(batch: Batch, dtype: torch.dtype) -> Batch:
     return batch
 
 
+SYNTHETIC_BATCHES = 4
+"""Synthetic micro-batches a rank makes once on its device and serves in turn (ray_zero/train/worker.py)."""
+
+
 def batch_bytes(batch: Batch) -> int:
     """Bytes of the tensors in a batch."""
     if isinstance(batch, torch.Tensor):

@@ -68,6 +68,7 @@ TRIAL = Registry(
         column("reduce_bucket_size", int, "elements", R, "ZeRO's reduce bucket"),
         column("flops_per_sample", float, "FLOP", R, "training FLOPs per sample (FlopCounterMode on the meta device)"),
         column("largest_block_params", int, "parameters", R, "the largest repeated block (what FSDP2 gathers at a time)"),
+        column("sample_bytes", int, "bytes", R, "one sample's batch as the model makes it (inputs and labels): what synthetic data holds per sample"),
         column("param_elements_per_rank", float, "elements", R, "parameters the engine leaves on its fullest rank (from the shapes)"),
         column("gradient_elements_per_rank", float, "elements", R, "gradients the engine leaves on its fullest rank"),
         column("state_elements_per_rank", float, "elements", R, "elements whose master and Adam's states the fullest rank keeps"),

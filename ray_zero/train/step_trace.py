@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ray_zero.models.counting import built_on_meta_or_cpu, no_meta_kernel
 from ray_zero.models.source import one_line
-from ray_zero.models.spec import ModelSpec
+from ray_zero.models.spec import ModelSpec, cast_floating
 from ray_zero.train.cuda_kernels import cuda_kernels
 from ray_zero.train.precision import LOW, cast_float_buffers
 from ray_zero.train.storage_tracker import (
@@ -140,16 +140,20 @@ def trace_step(
     started = time.perf_counter()
     module = spec.module
     generator = torch.Generator().manual_seed(0)
-    batch = tree_map(
-        lambda t: _to(t, device, form.inputs), spec.make_batch(micro_batch, torch.device("cpu"), generator)
+    # The batch as the rank holds it (made once, before the step), then cast for the engine within the
+    # step, as steps.py casts each micro-batch: the cast copy is the step's (fp32 images under bf16).
+    made = tree_map(
+        lambda t: t.to(device) if isinstance(t, torch.Tensor) else t,
+        spec.make_batch(micro_batch, torch.device("cpu"), generator),
     )
     known = {t.untyped_storage()._cdata for t in [*module.parameters(), *module.buffers()]}
-    known |= {t.untyped_storage()._cdata for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)}
+    known |= {t.untyped_storage()._cdata for t in tree_flatten(made)[0] if isinstance(t, torch.Tensor)}
     tracker = StorageTracker(known, device)
     saved = SavedBytes(tracker)
     module.zero_grad(set_to_none=True)
     try:
         with cuda_kernels(form.autocast if device == "meta" else None) as kernels, tracker:
+            batch = cast_floating(made, form.inputs)
             autocast = (
                 torch.autocast(device, dtype=form.autocast)
                 if form.autocast is not None and device != "meta"
@@ -185,13 +189,6 @@ def trace_step(
         composition=composition,
         seconds=time.perf_counter() - started,
     )
-
-
-def _to(value: Any, device: str, dtype: torch.dtype) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    value = value.to(device)
-    return value.to(dtype) if value.is_floating_point() else value
 
 
 class _nothing:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ray_zero.config import TrialSpec
 from ray_zero.measure.meter import Meter
 from ray_zero.models.describe import build_model_spec
-from ray_zero.models.spec import ModelSpec, batch_bytes
+from ray_zero.models.spec import SYNTHETIC_BATCHES, ModelSpec, batch_bytes
 from ray_zero.train.data import mnist_shard, synthetic_batches
 from ray_zero.train.engine_base import Engine
 from ray_zero.train.engines import build_engine
@@ -30,8 +30,6 @@ from ray_zero.train.steps import Data, train_steps
 from ray_zero.train.turn import TURN_WAIT, MeasurementTurn, gpu_turn
 
 ProgressFn = Callable[[int, dict[str, float]], None]
-SYNTHETIC_BATCHES = 4
-"""Synthetic micro-batches each rank makes once and serves in turn."""
 
 
 class TrialOutOfMemory(RuntimeError):
