@@ -119,16 +119,37 @@ def _provenance(job: dict, experiment, device) -> dict:
     }
 
 
+def form_specs(experiment, model, micro: int, on_gpu: bool, folder: str) -> dict:
+    """Each form's TrialSpec, its step traced before any run as a sweep's session traces it (precision per
+    form; fp16 on a CPU is bf16, fp16 being GPU-only). A CPU row predicts no peak (zoo.py): traced, not
+    used."""
+    from ray_zero.config import Point, TrialSpec
+    from ray_zero.train.grid_trace import trace_grid, trace_key
+
+    forms = {name: (b, s, p if on_gpu else "bf16", ck) for name, (b, s, p, ck) in FORMS.items()}
+    points = {name: Point(b, s, micro, 1, ck) for name, (b, s, p, ck) in forms.items()}
+    traced = {}
+    for precision in sorted({f[2] for f in forms.values()}):
+        chosen_points = [points[n] for n, f in forms.items() if f[2] == precision]
+        traced[precision] = trace_grid(experiment.model_source(), chosen_points, precision)
+    specs = {}
+    for name, (backend, _, precision, ck) in forms.items():
+        outcome = traced[precision].get(trace_key(backend, precision, ck))
+        specs[name] = TrialSpec(
+            experiment, points[name], precision, on_gpu, model, folder,
+            label="", activations=outcome if on_gpu else None,
+        )  # fmt: skip
+    return specs
+
+
 def run_family(job: dict, say, connection, record: dict) -> dict:
     import torch
     import yaml
     from population_cases import choose_micro_batch, sized_case, source_of
 
-    from ray_zero.config import Point, TrialSpec
     from ray_zero.models.describe import describe_model
     from ray_zero.rows import trial_row
     from ray_zero.store import EXPERIMENT_FILE, atomic_write
-    from ray_zero.train.grid_trace import trace_grid, trace_key
 
     on_gpu = job["device"] == "gpu"
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
@@ -149,23 +170,8 @@ def run_family(job: dict, say, connection, record: dict) -> dict:
                "params_default": sized.get("params_default"), "size_why": sized["size_why"], **chosen},
     )  # fmt: skip
     say("sized", record)  # the driver's record of a child it stops says what it was running
-
-    # Each form's step traced before any run, as a sweep's session traces it; precision per form (fp16 on
-    # a CPU is bf16: fp16 is GPU-only). A CPU row predicts no peak (zoo.py): traced, not used.
-    forms = {name: (b, s, p if on_gpu else "bf16", ck) for name, (b, s, p, ck) in FORMS.items()}
-    points = {name: Point(b, s, micro, 1, ck) for name, (b, s, p, ck) in forms.items()}
     say("phase", "tracing")
-    traced = {}
-    for precision in sorted({f[2] for f in forms.values()}):
-        chosen_points = [points[n] for n, f in forms.items() if f[2] == precision]
-        traced[precision] = trace_grid(experiment.model_source(), chosen_points, precision)
-    specs = {}
-    for name, (backend, _, precision, ck) in forms.items():
-        outcome = traced[precision].get(trace_key(backend, precision, ck))
-        specs[name] = TrialSpec(
-            experiment, points[name], precision, on_gpu, model, job["folder"],
-            label="", activations=outcome if on_gpu else None,
-        )  # fmt: skip
+    specs = form_specs(experiment, model, micro, on_gpu, job["folder"])
     predicted = {name: trial_row(spec) for name, spec in specs.items()}
     # A form predicted over the whole GPU is not run (a skipped row, as a sweep's plan skips a point):
     # its out-of-memory row would say nothing the prediction did not, and it would hold the GPU alone.

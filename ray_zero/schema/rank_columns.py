@@ -82,6 +82,7 @@ RANK = Registry(
         column("device_uuid", str, "", R, "the GPU's UUID: trials on one GPU take turns on it"),
         column("engine_config", dict, "", R, "what the engine was built with (DeepSpeed: its config, key for key)"),
         column("loss_scale_fix", str, "", R, "DeepSpeed fp16 stage 0's loss scaling (deepspeedai/DeepSpeed#8393): applied, or why not"),
+        column("warmup_steps_added", int, "steps", R, "fp16: warm-up steps added until the optimizer stepped (the loss scale skipped the first)"),
         column("set_up_from", float, "s", R, "when the rank began its set-up (epoch seconds)"),
         column("set_up_until", float, "s", R, "when its engine was set up (epoch seconds)"),
         column("measuring_from", float, "s", R, "when its warm-up began, after its turn (epoch seconds)"),

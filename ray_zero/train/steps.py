@@ -59,6 +59,20 @@ def inject_fault(spec: TrialSpec, rank: int, step: int, attempt: int) -> None:
     os.kill(os.getpid(), signal.SIGSTOP if fault.kind == "sigstop" else signal.SIGKILL)
 
 
+MAX_WARMUP_ADDED = 16
+"""fp16 warm-up steps added at most while the loss scale skips the optimizer's step (from 2**16 it halves
+at each overflow): the timed steps then hold Adam's states, as training does."""
+
+
+def _optimizer_idle(engine, device: torch.device) -> bool:
+    """Whether no rank's optimizer has stepped yet (made its states): fp16's loss scale skipped every step
+    so far. All ranks decide alike (the overflow that skips a step is all ranks')."""
+    made = torch.tensor([float(engine.model_state_bytes()["optimizer_state_bytes"] > 0)], device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(made, op=torch.distributed.ReduceOp.MAX)
+    return not made.item()
+
+
 COUNTED_STEPS = 3
 """Untimed steps after the timed window, with ray_zero/train/comm.py's wrappers on: the bytes of each
 kind of collective per step, and the share of each phase that collectives hold the rank up."""
@@ -134,8 +148,11 @@ def train_steps(run, engine, data: Data) -> dict[str, Any]:
     # Wall-clock bounds of what this rank measures (warm-up to the last timed step): trials that share a
     # device must never overlap there (their turns, ray_zero/train/turn.py).
     run.timings["measuring_from"] = time.time()
-    step = 0
+    step, added = 0, 0
     while True:
+        idle = step == warmup and spec.precision == "fp16" and added < MAX_WARMUP_ADDED
+        if idle and _optimizer_idle(engine, device):  # warm-up ends once the optimizer has stepped
+            warmup, added, data.total_steps = warmup + 1, added + 1, data.total_steps + 1
         if step == warmup:
             run.done("warmup")
             meter.start_timing(step)
@@ -194,6 +211,7 @@ def train_steps(run, engine, data: Data) -> dict[str, Any]:
         "step_median_s": timing.median,
         "step_spread": timing.spread,
         "timing_unstable": not timing.met,
+        "warmup_steps_added": added,
     }
     return _report(run, engine, data, figures, losses, saved.bytes)
 
