@@ -7,6 +7,7 @@ once per table, from the records' provenance. No GPU, no torch.
 
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
 from pathlib import Path
@@ -27,9 +28,15 @@ def class_of(record: dict) -> str:
 
 
 def _read(path: Path) -> list[dict]:
-    if not path.is_file():
+    """A .jsonl file's records, or its kept .jsonl.gz's (bench/records.py population)."""
+    kept = path.with_name(path.name + ".gz")
+    if not path.is_file() and kept.is_file():
+        text = gzip.decompress(kept.read_bytes()).decode()
+    elif path.is_file():
+        text = path.read_text()
+    else:
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def load(folders: list[Path]) -> tuple[dict[str, dict], dict[tuple[str, str], dict]]:

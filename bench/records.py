@@ -8,7 +8,12 @@ console logs and nvidia-smi samples over KEEP_PLAIN_BYTES gzipped, DeepSpeed aut
 packed into one .tar.gz each (`tar xzf` to read them again).
 
     python bench/records.py keep FOLDER [FOLDER ...]   # a new run's folder, before it is committed
+    python bench/records.py population RUN DEST        # bench/population_gpu.py's output, kept in DEST
     python bench/records.py sizes                      # the checkout's size without .git, and the records'
+
+The GPU population (hundreds of families, a run folder each) is kept as its records alone: population.jsonl,
+ops.jsonl and predicted.jsonl gzipped, and every family's rows (its trials.jsonl, each row with its
+family) in one rows.jsonl.gz; the run folders stay out of git.
 """
 
 from __future__ import annotations
@@ -66,6 +71,28 @@ def keep(folder: Path) -> list[str]:
     return done
 
 
+def keep_population(run: Path, dest: Path) -> list[str]:
+    """bench/population_gpu.py's output folder `run` kept in `dest` as its records (module docstring)."""
+    import json
+
+    dest.mkdir(parents=True, exist_ok=True)
+    done = []
+    for name in ("population.jsonl", "ops.jsonl", "predicted.jsonl", "gpu.txt"):
+        if (run / name).is_file():
+            data = (run / name).read_bytes()
+            target = dest / (name if name.endswith(".txt") else name + ".gz")
+            target.write_bytes(data if name.endswith(".txt") else gzip.compress(data, 9, mtime=0))
+            done.append(f"kept {target}")
+    rows = []
+    for trials in sorted(run.glob("*/trials.jsonl")):
+        for row in trials.read_text().splitlines():
+            rows.append(json.dumps({"family_folder": trials.parent.name, **json.loads(row)}))
+    (dest / "rows.jsonl.gz").write_bytes(gzip.compress(("\n".join(rows) + "\n").encode(), 9, mtime=0))
+    families = len(list(run.glob("*/trials.jsonl")))
+    done.append(f"kept {len(rows)} rows of {families} families in {dest / 'rows.jsonl.gz'}")
+    return done
+
+
 def run_folders() -> list[Path]:
     """Every committed folder `report` renders (it holds trials.jsonl or trials.jsonl.gz)."""
     return sorted({p.parent for root in RECORDS for p in (ROOT / root).rglob("trials.jsonl*")})
@@ -89,6 +116,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
     verbs.add_parser("keep").add_argument("folders", nargs="+", type=Path)
+    population = verbs.add_parser("population")
+    population.add_argument("run", type=Path)
+    population.add_argument("dest", type=Path)
     verbs.add_parser("sizes")
     args = parser.parse_args(argv)
     if args.verb == "keep":
@@ -98,6 +128,9 @@ def main(argv=None) -> int:
                 return 2
             for line in keep(folder):
                 print(f"records: {line}")
+    elif args.verb == "population":
+        for line in keep_population(args.run, args.dest):
+            print(f"records: {line}")
     else:
         print(sizes())
     return 0
