@@ -313,11 +313,14 @@ def main(argv=None) -> int:
     parser.add_argument("--ops", action="store_true", help="then compare the rows off by > 5 %% op by op")
     parser.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny sizes, 3 families, one at a time")
     parser.add_argument("--table", type=Path, nargs="+", metavar="DIR", help="print the tables of these runs")
+    parser.add_argument(
+        "--predicted", action="store_true", help="--table: the predictions population_predict.py made again"
+    )
     args = parser.parse_args(argv)
     if args.table:
         from population_table import tables
 
-        print(tables(args.table))
+        print(tables(args.table, args.predicted))
         return 0
     if args.output is None:
         parser.error("--output is needed (or --table)")

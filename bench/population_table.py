@@ -39,14 +39,31 @@ def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def load(folders: list[Path]) -> tuple[dict[str, dict], dict[tuple[str, str], dict]]:
-    """Each family's latest record, and each (family, form)'s latest op-by-op record, over the parts."""
-    records, ops = {}, {}
+def load(
+    folders: list[Path], predicted: bool = False
+) -> tuple[dict[str, dict], dict[tuple[str, str], dict]]:
+    """Each family's latest record, and each (family, form)'s latest op-by-op record, over the parts.
+    `predicted`: each form's prediction as bench/population_predict.py made it again (predicted.jsonl),
+    in place of the GPU run's; a family it did not predict keeps no ratio."""
+    records, ops, again = {}, {}, {}
     for folder in folders:
         for record in _read(folder / "population.jsonl"):
             records[record["family"]] = record
         for record in _read(folder / "ops.jsonl"):
             ops[(record["family"], record["form"])] = record
+        for record in _read(folder / "predicted.jsonl"):
+            again[record["family"]] = record
+    if predicted:
+        for family, record in records.items():
+            forms = (again.get(family) or {}).get("forms") or {}
+            for name, form in (record.get("forms") or {}).items():
+                form.update(
+                    predicted_peak_gib=(forms.get(name) or {}).get("predicted_peak_gib"),
+                    measured_over_predicted=(forms.get(name) or {}).get("measured_over_predicted"),
+                )
+            if family in again:
+                record["provenance"] = {**(record.get("provenance") or {}),
+                                        "predicted again": again[family].get("provenance")}  # fmt: skip
     return records, ops
 
 
@@ -112,8 +129,8 @@ def _hint(ops: dict | None) -> str:
     )
 
 
-def tables(folders: list[Path]) -> str:
-    records, ops = load(folders)
+def tables(folders: list[Path], predicted: bool = False) -> str:
+    records, ops = load(folders, predicted)
     rows = _rows(records)
     out = [f"# The GPU population (issue 65): {len(records)} families, {len(rows)} rows with a ratio", ""]
     statuses: dict[str, int] = {}
