@@ -147,6 +147,19 @@ def hf_types() -> list[str]:
     return list(dict.fromkeys(t for _, names in TASK_MAPPINGS for t in getattr(modeling_auto, names)))
 
 
+def sub_configs(config_class, default) -> list[tuple[str, Any]]:
+    """(name, configuration) of each sub-configuration the default holds (text model, vision tower)."""
+    found = []
+    for name in getattr(config_class, "sub_configs", {}) or {}:
+        try:
+            sub = getattr(default, name, None)
+        except Exception:  # a heterogeneous configuration refuses some attributes
+            continue
+        if sub is not None and hasattr(sub, "to_dict"):
+            found.append((name, sub))
+    return found
+
+
 def shrunk_config(config_class, level: str = "shrunk", default=None) -> dict[str, Any]:
     """The keyword arguments that shrink `config_class` at `level` (its sub-configurations too): the size
     keys its __init__ takes whose defaults are larger integers, per-layer lists cut to the layers kept,
@@ -192,13 +205,7 @@ def shrunk_config(config_class, level: str = "shrunk", default=None) -> dict[str
     for key in DEPTH_LISTS:
         if isinstance(values.get(key), (list, tuple)):
             shrunk[key] = [1] * len(values[key])
-    for name in getattr(config_class, "sub_configs", {}) or {}:
-        try:
-            sub = getattr(default, name, None)
-        except Exception:
-            continue
-        if sub is None or not hasattr(sub, "to_dict"):
-            continue
+    for name, sub in sub_configs(config_class, default):
         inner = shrunk_config(type(sub), level, sub)
         if inner:
             shrunk[name] = {"model_type": sub.model_type, **inner}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from hf_shrink import HF_OVERRIDES, LAYER_KEYS, _per_layer_lists
+from hf_shrink import HF_OVERRIDES, LAYER_KEYS, _per_layer_lists, sub_configs
 
 PARAMS_LIMIT = 1_500_000_000
 MIN_LAYERS = 2
@@ -197,13 +197,7 @@ def cut_config(config_class, layers: float, experts: float = 1.0, default=None) 
                 if kept < value:
                     cut[key] = kept
     cut.update(_per_layer_lists(values, {k: v for k, v in cut.items() if k in LAYER_KEYS}))
-    for name in getattr(config_class, "sub_configs", {}) or {}:
-        try:
-            sub = getattr(default, name, None)
-        except Exception:
-            continue
-        if sub is None or not hasattr(sub, "to_dict"):
-            continue
+    for name, sub in sub_configs(config_class, default):
         inner = cut_config(type(sub), layers, experts, sub)
         if inner:
             cut[name] = {"model_type": sub.model_type, **inner}
