@@ -308,3 +308,24 @@ def test_frozen_parameters_and_partitions_reach_the_prediction():
         with_shapes.parameter_bytes == 2 * (10_000 + 20_000)
         and predict_point(row).parameter_bytes == 2 * 10_000
     )
+
+
+def test_a_rank_s_synthetic_batches_are_predicted_from_one_samples_bytes():
+    """A rank holds SYNTHETIC_BATCHES micro-batches as the model makes them (fp32 images, int64 labels):
+    the prediction's data term, before anything runs; the presets' rule and a row of an earlier version
+    (no sample_bytes: what the rank measured) as they were."""
+    from ray_zero.measure.memory_model import predict_point
+    from ray_zero.models.describe import describe_model
+    from ray_zero.models.spec import SYNTHETIC_BATCHES
+
+    info = describe_model("timm:resnet18", input_shape=[3, 64, 64])
+    assert info.sample_bytes == 3 * 64 * 64 * 4 + 8  # the image in fp32 and its label
+    row = {
+        "model": "timm:resnet18", "backend": "deepspeed", "stage": 1, "num_workers": 1, "precision": "bf16",
+        "params": info.params, "micro_batch_size": 32, "memory_kind": "cuda", "dataset": "synthetic",
+        "traced_activation_bytes": 1e8,
+    }  # fmt: skip
+    with_sample = predict_point({**row, "sample_bytes": info.sample_bytes})
+    assert with_sample.data_bytes == SYNTHETIC_BATCHES * 32 * info.sample_bytes
+    assert predict_point({**row, "data_bytes_per_rank_max": 12345}).data_bytes == 12345  # earlier rows
+    assert predict_point({**row, "sample_bytes": info.sample_bytes, "dataset": "mnist"}).data_bytes == 0

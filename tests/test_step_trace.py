@@ -178,3 +178,17 @@ def test_a_model_that_cannot_be_traced_says_why_in_one_line(tmp_path):
     traces = trace_grid(source, [Point("deepspeed", 1, 2, 1)], "bf16")
     (reason,) = traces.values()
     assert isinstance(reason, str) and "reads a value of its data" in reason and "\n" not in reason
+
+
+def test_the_step_casts_the_batch_for_the_engine_and_keeps_the_copy():
+    # steps.py casts each fp32 micro-batch to the engine's dtype within the step: under DeepSpeed bf16 the
+    # copy is the step's (64 x 32 bf16, rounded to 512-byte blocks); in fp32 there is no copy.
+    low, full = module_form("deepspeed", "bf16"), module_form("deepspeed", "fp32")
+    specs = [_mlp_spec(), _mlp_spec()]
+    for spec, form in zip(specs, (low, full)):
+        spec.module.to("meta").to(form.params)
+    traced_low, traced_full = trace_step(specs[0], 64, low), trace_step(specs[1], 64, full)
+    copy = 64 * 32 * 2
+    saved_low = traced_low.forward_bytes - copy
+    # The low step keeps half of the fp32 one's activations, plus the input's bf16 copy.
+    assert abs(saved_low - traced_full.forward_bytes / 2) <= 2 * 512
