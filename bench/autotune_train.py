@@ -60,9 +60,8 @@ def main() -> None:
 
     from ray_zero.experiment_file import load_experiment
     from ray_zero.models.describe import build_model_spec
-    from ray_zero.models.spec import cast_floating
+    from ray_zero.models.spec import SYNTHETIC_BATCHES, cast_floating
     from ray_zero.train.data import synthetic_batches
-    from ray_zero.train.worker import SYNTHETIC_BATCHES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("experiment")

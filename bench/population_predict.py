@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from common import ROOT, machine, one_line, versions
+from population_table import read_records
 
 PREDICTED = "predicted.jsonl"
 
@@ -64,8 +65,8 @@ def main(argv=None) -> int:
     sink = args.output / PREDICTED
     if args.again:
         sink.unlink(missing_ok=True)
-    done = {json.loads(line)["family"] for line in sink.read_text().splitlines()} if sink.is_file() else set()
-    records = [json.loads(line) for line in (args.output / "population.jsonl").read_text().splitlines()]
+    done = {record["family"] for record in read_records(sink)}
+    records = read_records(args.output / "population.jsonl")
     command = " ".join(["python", "bench/population_predict.py", *(sys.argv[1:] if argv is None else argv)])
     provenance = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": command,
                   "machine": machine(), **versions(("torch", "transformers", "timm"))}  # fmt: skip

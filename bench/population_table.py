@@ -27,7 +27,7 @@ def class_of(record: dict) -> str:
     return CLASSES[1] if record.get("task") in TEXT_TASKS else CLASSES[2]
 
 
-def _read(path: Path) -> list[dict]:
+def read_records(path: Path) -> list[dict]:
     """A .jsonl file's records, or its kept .jsonl.gz's (bench/records.py population)."""
     kept = path.with_name(path.name + ".gz")
     if not path.is_file() and kept.is_file():
@@ -47,11 +47,11 @@ def load(
     in place of the GPU run's; a family it did not predict keeps no ratio."""
     records, ops, again = {}, {}, {}
     for folder in folders:
-        for record in _read(folder / "population.jsonl"):
+        for record in read_records(folder / "population.jsonl"):
             records[record["family"]] = record
-        for record in _read(folder / "ops.jsonl"):
+        for record in read_records(folder / "ops.jsonl"):
             ops[(record["family"], record["form"])] = record
-        for record in _read(folder / "predicted.jsonl"):
+        for record in read_records(folder / "predicted.jsonl"):
             again[record["family"]] = record
     if predicted:
         for family, record in records.items():

@@ -85,11 +85,11 @@ def bare_deepspeed_step_s(spec, device) -> float:
     import torch
 
     from ray_zero.models.describe import build_model_spec
+    from ray_zero.models.spec import SYNTHETIC_BATCHES
     from ray_zero.train.data import synthetic_batches
     from ray_zero.train.ds_config import deepspeed_config
     from ray_zero.train.precision import cast_float_buffers
     from ray_zero.train.settings import EngineSettings
-    from ray_zero.train.worker import SYNTHETIC_BATCHES
 
     experiment = spec.experiment
     torch.manual_seed(experiment.seed)
