@@ -182,11 +182,12 @@ def _line(record: dict) -> str:
                 f"CUDA ops {rise('cuda')}, allocator {ops.get('allocator_rise_bytes', 0) / 2**30:.3f} GiB"
                 + (f" ({record['error'][:200]})" if record.get("error") else ""))  # fmt: skip
     forms = record.get("forms") or {}
+    blind = record.get("set") == "held-out"  # its residuals are read once, at the end (issue 65)
     parts = []
     for name, f in forms.items():
         ratio = f.get("measured_over_predicted")
         figure = f"{ratio:.3f}" if isinstance(ratio, float) else f"{f.get('measured_peak_gib') or 0:.2f} GiB"
-        parts.append(f"{name} {f.get('status')} {figure}")
+        parts.append(f"{name} {f.get('status')}" + ("" if blind else f" {figure}"))
     tail = f" ({record['error'][:200]})" if record.get("error") else ""
     return (
         f"{record['family']} [{record['set']}] mb {record.get('sizes', {}).get('micro_batch')}: "
