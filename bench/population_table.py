@@ -10,21 +10,24 @@ from __future__ import annotations
 import gzip
 import json
 import statistics
+import sys
 from pathlib import Path
 
+from common import ROOT
 from population_child import FORMS
+
+sys.path.insert(0, str(ROOT))
+from ray_zero.measure import error_band  # noqa: E402
+from ray_zero.measure.error_band import CLASSES  # noqa: E402
 
 GIB = 2**30
 OFF = 0.05
 SETS = ("tuning", "held-out")
-CLASSES = ("timm vision", "Transformers text", "Transformers vision/other")
-TEXT_TASKS = ("causal-lm", "masked-lm", "seq2seq-lm")
 
 
 def class_of(record: dict) -> str:
-    if record.get("source") == "timm":
-        return CLASSES[0]
-    return CLASSES[1] if record.get("task") in TEXT_TASKS else CLASSES[2]
+    kind = {"transformers": "hf"}.get(record.get("source"), record.get("source"))
+    return error_band.class_of(kind, record.get("task"))
 
 
 def read_records(path: Path) -> list[dict]:

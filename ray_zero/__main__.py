@@ -157,6 +157,12 @@ def _parser() -> argparse.ArgumentParser:
         help="mark the rows whose predicted peak exceeds G GiB (default: this machine's GPU, if any)",
     )
     estimate.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help="the GPU's name (h100, h200, A100-SXM4-80GB): the error band is checked against its "
+        "architecture (default: this machine's GPU, if any)",
+    )
+    estimate.add_argument(
         "--measured",
         type=Path,
         metavar="DIR",
@@ -265,7 +271,7 @@ def _estimate(args) -> int:
     model_set = [f"model={args.model}"] if args.model else []
     model = args.experiment or args.model or ("" if args.measured else "large")
     grid = _options(args, "workers", "stages", "backend", "precision", "micro_batch_size", "calibration")
-    speed = _options(args, "gpu_gib", "measured", "bandwidth", "busbw")
+    speed = _options(args, "gpu_gib", "gpu", "measured", "bandwidth", "busbw")
     overrides = [*args.overrides, *(model_set if args.experiment else [])]
     print(api.estimate(model, **grid, **speed, overrides=overrides))
     return 0

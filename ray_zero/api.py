@@ -271,6 +271,7 @@ def estimate(
     bandwidth: Union[str, os.PathLike, None] = None,
     busbw: Optional[float] = None,
     overrides: Sequence[str] = (),
+    gpu: Optional[str] = None,
 ):
     """Every point of an experiment's grid predicted on a GPU, without training or Ray: `model` is an
     experiment (a YAML path, a mapping or an Experiment) or a model source (`hf:llama`, `timm:resnet50`,
@@ -279,14 +280,19 @@ def estimate(
     backend grid.backend, micro_batch_size grid.micro_batch_size, precision precision). Returns an
     Estimate: `.table` (GiB per rank, a row per point, as a sweep's row of it predicts), `.rows` and
     `.head`; print it for the CLI's text. `gpu_gib`: mark what would not fit (default: this machine's
-    GPU, if it has one). With `measured` (a sweep's folder; its experiment when `model` is empty) and
-    `bandwidth` (a file of `bandwidth`) or `busbw` (GB/s): `.speed`, samples/s at each worker count."""
+    GPU, if it has one); the fit allows for the prediction's error band, the allocator's reserve and the
+    CUDA context. `gpu`: the GPU's name (h100, A100-SXM4-80GB; default: this machine's), against which the
+    band is checked (its architecture). With `measured` (a sweep's folder; its experiment when `model` is
+    empty) and `bandwidth` (a file of `bandwidth`) or `busbw` (GB/s): `.speed`, samples/s at each worker
+    count."""
     from ray_zero.report.estimate import estimate as estimate_table
-    from ray_zero.report.estimate import grid_overrides, this_gpu_gib
+    from ray_zero.report.estimate import grid_overrides, this_gpu, this_gpu_gib
     from ray_zero.report.speed_estimate import speed_head, speed_source, speed_table
 
     if gpu_gib is not None and not 0 < gpu_gib < math.inf:
         raise ConfigError(f"--gpu-gib {gpu_gib:g}: a GPU's memory in GiB, a number above 0")
+    if gpu is not None and not gpu.strip():
+        raise ConfigError("--gpu: give the GPU's name, e.g. h100, h200 or A100-SXM4-80GB")
     source = speed_source(measured, bandwidth, busbw)
     if not model and measured is not None:
         model = dict(read_experiment_file(Path(measured)).get("experiment") or {})
@@ -299,7 +305,11 @@ def estimate(
     )
     info = describe(experiment, check_machine=False)
     result = estimate_table(
-        experiment, info, calibration_dir=calibration, gpu_gib=gpu_gib if gpu_gib else this_gpu_gib()
+        experiment,
+        info,
+        calibration_dir=calibration,
+        gpu_gib=gpu_gib if gpu_gib else this_gpu_gib(),
+        gpu=gpu or this_gpu(),
     )
     if source is not None:
         from ray_zero.store import load_trials

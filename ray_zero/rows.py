@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-from ray_zero.measure import comm_model, partitions
+from ray_zero.measure import comm_model, error_band, partitions
 from ray_zero.measure.memory_model import HELD_COLUMNS, engine_for_row, predict_point
 from ray_zero.measure.prediction import GIB
 from ray_zero.schema import RANK, TRIAL
@@ -124,6 +124,9 @@ def _point_row(spec) -> dict[str, Any]:
         "flops_per_sample": spec.model.flops_per_sample,
         "largest_block_params": spec.model.largest_block_params,
         "sample_bytes": getattr(spec.model, "sample_bytes", None),
+        "band_class": error_band.class_of(
+            getattr(spec.model, "kind", None), getattr(spec.model, "task", None)
+        ),
         "gpu_share": spec.gpu_share if spec.use_gpu else None,
         **_held(spec.model, point),
         **_comm(spec),
@@ -178,7 +181,25 @@ def prediction_fields(row: dict[str, Any], calibration: Optional[dict] = None) -
         check = predict_point(row, calibration, traced=False)
         fields["calibrated_activation_gib"] = _gib(check.activation_bytes)
         fields["predicted_peak_calibrated_gib"] = _gib(check.peak_bytes)
-    return fields
+    return fields | band_fields({**row, **fields})
+
+
+def band_fields(row: dict[str, Any], gpu: Optional[str] = None) -> dict[str, Any]:
+    """The predicted peak's error band (ray_zero/measure/error_band.py) for the row's model class, checked
+    against the running torch and the GPU (`gpu`, else the row's measured device), and whether the
+    measured peak of an ok row lies inside it."""
+    peak = row.get("predicted_peak_gib")
+    if row.get("memory_kind") != "cuda" or peak is None:
+        return {}
+    name = row.get("band_class") or error_band.class_of_model(str(row.get("model") or ""))
+    band = error_band.band_for(name, gpu or row.get("device_name"))
+    ratio = row.get("measured_over_predicted")
+    return {
+        "band_class": name,
+        "predicted_band": str(band),
+        "predicted_peak_high_gib": band.high_gib(peak),
+        "inside_band": band.holds(ratio) if isinstance(ratio, (int, float)) else None,
+    }
 
 
 TERMS = (
@@ -305,6 +326,7 @@ def _compared(row: dict[str, Any]) -> dict[str, Any]:
     row["measured_over_predicted"] = None
     if row.get("status") == "ok" and row.get("memory_kind") == "cuda" and peak and predicted:
         row["measured_over_predicted"] = peak / predicted
+    row.update(band_fields(row))  # the measured device and ratio known now
     columns = results_columns()
     return {column: row.get(column) for column in columns} | {
         k: v for k, v in row.items() if k not in columns

@@ -46,6 +46,7 @@ def test_the_wheel_installs_and_renders_a_report_away_from_the_checkout(tmp_path
     wheel = next((tmp_path / "dist").glob("ray_zero-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "ray_zero/report/templates/report.html.j2" in names and "ray_zero/run/sweep.py" in names
+    assert "ray_zero/measure/error_bands.json" in names  # the error bands estimate and fit read
     assert not [n for n in names if n.startswith(("tests/", "bench/", "results/"))]
 
     env = tmp_path / "env"

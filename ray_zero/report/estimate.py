@@ -18,10 +18,11 @@ from typing import Optional
 import pandas as pd
 
 from ray_zero.config import ConfigError, Experiment, TrialSpec
+from ray_zero.measure import error_band
 from ray_zero.measure.calibration import read_calibration
 from ray_zero.measure.engine_memory import paper
 from ray_zero.measure.prediction import GIB
-from ray_zero.rows import trial_row
+from ray_zero.rows import band_fields, trial_row
 from ray_zero.train.grid_trace import Traced, trace_grid, trace_key
 
 TERMS = (  # (column, the row's predicted_*_gib terms it adds up)
@@ -74,9 +75,11 @@ def estimate(
     *,
     calibration_dir: Optional[Path] = None,
     gpu_gib: Optional[float] = None,
+    gpu: Optional[str] = None,
 ) -> Estimate:
     """Every point of `experiment`'s grid that an engine can run, predicted on a GPU: its step traced on
-    the meta device (or `calibration_dir`'s calibration.json where it cannot be)."""
+    the meta device (or `calibration_dir`'s calibration.json where it cannot be), with its error band
+    (checked against `gpu`, a GPU's name, where given)."""
     calibration = None
     if calibration_dir is not None:
         calibration = read_calibration(Path(calibration_dir))
@@ -103,15 +106,17 @@ def estimate(
             activations=traces[trace_key(point.backend, precision, point.activation_checkpointing)],
             calibration=calibration,
         )
-        rows.append(trial_row(spec))
-    table = pd.DataFrame([_line(row, gpu_gib) for row in rows])
+        row = trial_row(spec)
+        rows.append(row | band_fields(row, gpu))
+    table = pd.DataFrame([_line(row, gpu_gib, gpu) for row in rows])
     for field in VARYING:
         if field in table and table[field].nunique() <= 1:
             table = table.drop(columns=field)
-    return Estimate(_head(experiment, model, precision, traces, traced_s, gpu_gib), table, rows=rows)
+    head = _head(experiment, model, precision, traces, traced_s, gpu_gib)
+    return Estimate(head + _band_head(rows, gpu, gpu_gib), table, rows=rows)
 
 
-def _line(row: dict, gpu_gib: Optional[float]) -> dict:
+def _line(row: dict, gpu_gib: Optional[float], gpu: Optional[str]) -> dict:
     line = {
         "backend": row["backend"],
         "stage": row["stage"],
@@ -129,8 +134,13 @@ def _line(row: dict, gpu_gib: Optional[float]) -> dict:
         line[column] = sum(v for v in values if v is not None) if any(v is not None for v in values) else None
     peak = row.get("predicted_peak_gib")
     line["peak_gib"] = peak if peak is not None else float("nan")
+    line["peak_high_gib"] = row.get("predicted_peak_high_gib", float("nan"))
     if gpu_gib is not None:
-        needed = peak if peak is not None else row["predicted_model_state_gib"] + (line["buckets_gib"] or 0)
+        if peak is not None:
+            band = error_band.band_for(row["band_class"], gpu)
+            needed = error_band.needed_gib(peak, band)
+        else:  # no activation term: the model states and buckets at least
+            needed = row["predicted_model_state_gib"] + (line["buckets_gib"] or 0)
         line[f"fits_{gpu_gib:g}_gib"] = "yes" if needed <= gpu_gib else "no"
     line["activations"] = row.get("activation_source", "")
     return line
@@ -154,8 +164,28 @@ def _head(experiment: Experiment, model, precision: str, traces: dict, traced_s:
         ".\npaper = the ZeRO paper's model states; the other columns: what each engine allocates per rank "
         "(ray_zero.measure.memory_model), GPU peak with 64 MiB of cuBLAS workspaces"
     )
+    return text
+
+
+def _band_head(rows: list[dict], gpu: Optional[str], gpu_gib: Optional[float]) -> str:
+    """The error band the rows carry (one model: one class), where it was measured, and what `fits`
+    compares with the GPU's memory."""
+    bands = list(dict.fromkeys(r["predicted_band"] for r in rows if r.get("predicted_band")))
+    about = error_band.measured()["about"]
+    text = ""
+    if bands:
+        gpus = ", ".join(about["gpus"])
+        text += (
+            f".\nError band of the peak (measured/predicted - 1 of the class's rows on {gpus}"
+            f", torch {'-'.join(about['torch_range'])}): {'; '.join(bands)}; peak_high_gib: the peak at its "
+            f"upper end" + ("" if gpu else " (no GPU named: --gpu NAME checks its architecture)")
+        )
     if gpu_gib is not None:
-        text += f"; fits_{gpu_gib:g}_gib: the peak (model states and buckets where it is unknown) within it"
+        text += (
+            f".\nfits_{gpu_gib:g}_gib: the peak at its band's upper end, +{error_band.RESERVE_FRACTION:.0%} "
+            f"for the allocator's reserve and {error_band.CONTEXT_GIB:g} GiB of CUDA context, within "
+            f"{gpu_gib:g} GiB (model states and buckets where the peak is unknown)"
+        )
     return text
 
 
@@ -175,6 +205,13 @@ def grid_overrides(workers, stages, backend, precision, micro_batch_size) -> lis
         for key, value in keys.items()
         if value is not None
     ]
+
+
+def this_gpu() -> Optional[str]:
+    """This machine's GPU's name (None without one)."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 def this_gpu_gib() -> Optional[float]:

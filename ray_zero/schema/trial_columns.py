@@ -86,6 +86,10 @@ TRIAL = Registry(
         column("trace_note", str, "", R, "why the point's step could not be traced (then calibrated)"),
         column("calibrated_activation_gib", float, "GiB", R, "with a calibration beside a traced row: the calibrated activation term (a check)"),
         column("predicted_peak_calibrated_gib", float, "GiB", R, "with a calibration beside a traced row: the peak predicted with the calibrated term (a check)"),
+        column("band_class", str, "", R, "the model's class for the error band: timm vision, Transformers text, Transformers vision/other, any model (presets, factories)"),
+        column("predicted_band", str, "", R, "the error band of the predicted peak: measured/predicted - 1 of its class's rows on a GPU (ray_zero/measure/error_bands.json), widened where the torch or the GPU is outside what was measured, and why"),
+        column("predicted_peak_high_gib", float, "GiB", R, "the predicted peak at its band's upper end"),
+        column("inside_band", bool, "", R, "the measured peak lies inside the prediction's band (ok GPU rows)"),
         # the ranks' other figures
         column("peak_allocated_gib_min", float, "GiB", R, "peak allocated, the smallest rank", how="min", of="peak_allocated_gib"),
         column("peak_reserved_gib_min", float, "GiB", R, "peak reserved, the smallest rank", how="min", of="peak_reserved_gib"),
