@@ -150,6 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--backend", type=_names, help="grid.backend: deepspeed, torch_zero, fsdp")
     estimate.add_argument("--precision", help="precision: fp16, bf16 or fp32")
     estimate.add_argument("--micro-batch-size", type=_int_list, help="grid.micro_batch_size: 4,8,16")
+    estimate.add_argument("--seq-len", type=_int_list, help="grid.seq_len (token models): 512,1024,2048")
     estimate.add_argument(
         "--gpu-gib",
         type=float,
@@ -264,7 +265,9 @@ def _report(args) -> int:
 def _estimate(args) -> int:
     model_set = [f"model={args.model}"] if args.model else []
     model = args.experiment or args.model or ("" if args.measured else "large")
-    grid = _options(args, "workers", "stages", "backend", "precision", "micro_batch_size", "calibration")
+    grid = _options(
+        args, "workers", "stages", "backend", "precision", "micro_batch_size", "seq_len", "calibration"
+    )
     speed = _options(args, "gpu_gib", "measured", "bandwidth", "busbw")
     overrides = [*args.overrides, *(model_set if args.experiment else [])]
     print(api.estimate(model, **grid, **speed, overrides=overrides))

@@ -39,6 +39,7 @@ from ray_zero.measure.memory_model import predict_point
 from ray_zero.measure.prediction import GIB
 from ray_zero.measure.search import BracketSearch, Steps, largest_predicted_to_fit
 from ray_zero.models.describe import build_model_spec
+from ray_zero.models.source import ModelSource
 from ray_zero.models.spec import ModelSpec, copied
 from ray_zero.rows import trial_row
 from ray_zero.train.worker import TrialOutOfMemory, train
@@ -110,7 +111,11 @@ class SearchSpec:
         calibration, else the presets' shapes; None where it predicts none (CPU, or unknown)."""
         if not self.spec.use_gpu:
             return None
-        calibrated = {"bytes_per_sample": self.calibration} if self.calibration else None
+        calibrated = (
+            {"bytes_per_sample": self.calibration, "seq_len": self.spec.point.seq_len}
+            if self.calibration
+            else None
+        )
         peak = predict_point(trial_row(self.at(micro)), calibrated).peak_bytes
         return None if peak is None else peak / GIB
 
@@ -161,16 +166,19 @@ class _Model:
     leftovers). On a GPU a pristine copy stays on the host and each probe trains a copy of it. On CPU,
     where the resident set is what is measured, a kept copy would count in every probe's peak (a fresh
     run holds one model, not two): the first probe trains the model built here, and each later one
-    builds it again, as a trial's rank does (seeded: the same weights)."""
+    builds it again, as a trial's rank does (seeded: the same weights). A probe at another seq_len than
+    the one built (a seq_len axis, or fit --target seq_len) builds its own: its batches differ."""
 
-    def __init__(self, experiment: Experiment, keep: bool):
+    def __init__(self, experiment: Experiment, keep: bool, source: Optional[ModelSource] = None):
         torch.manual_seed(experiment.seed)  # as worker.train seeds before it builds
-        self.built: Optional[ModelSpec] = build_model_spec(experiment.model_source())
+        self.source = source or experiment.model_source()
+        self.built: Optional[ModelSpec] = build_model_spec(self.source)
         self.keep = keep
 
-    def for_probe(self) -> Optional[ModelSpec]:
-        """A model for the next probe, or None: the rank builds it as a trial's rank does."""
-        if self.built is None:
+    def for_probe(self, source: Optional[ModelSource] = None) -> Optional[ModelSpec]:
+        """A model for the next probe (of `source`: the built one's by default), or None: the rank builds
+        it as a trial's rank does."""
+        if self.built is None or (source is not None and source != self.source):
             return None
         if not self.keep:
             model, self.built = self.built, None
@@ -194,12 +202,15 @@ class Prober:
         device: torch.device,
         attempt: int = 1,
         keep_model: Optional[bool] = None,
+        source: Optional[ModelSource] = None,
     ):
-        """keep_model: build the model once and train a copy of it in each probe (default: on a GPU)."""
+        """keep_model: build the model once and train a copy of it in each probe (default: on a GPU);
+        source: the model to build (default: the experiment's)."""
         self.rank, self.world_size, self.device, self.attempt = rank, world_size, device, attempt
         import ray_zero.train.engines  # noqa: F401  DeepSpeed's and the engines' imports: no probe's leftovers
 
-        self.model = _Model(experiment, device.type == "cuda" if keep_model is None else keep_model)
+        keep = device.type == "cuda" if keep_model is None else keep_model
+        self.model = _Model(experiment, keep, source)
         self.first_guess: Optional[int] = None
         """Written into every probe's result (where the search started)."""
 
@@ -217,7 +228,7 @@ class Prober:
                 self.world_size,
                 self.device,
                 attempt=self.attempt,
-                model=self.model.for_probe(),
+                model=self.model.for_probe(spec.model_source()),
             )
             result["probe_status"] = "ok"
         except TrialOutOfMemory as error:
@@ -253,7 +264,8 @@ def run_searches(
     in one process and from one model build: a run's start is paid once for them all. Each probe's
     result says its search (`search`: SearchSpec.name). Returns "done", or "leak" at the first search that
     must go on in a fresh run (it and those after it are left to that run)."""
-    prober = Prober(searches[0].spec.experiment, rank, world_size, device, attempt)
+    first = searches[0].spec
+    prober = Prober(first.experiment, rank, world_size, device, attempt, source=first.model_source())
     for search in searches:
         if run_search(search, rank, world_size, device, on_probe, attempt, prober) == "leak":
             return "leak"
@@ -272,7 +284,9 @@ def run_search(
     """Run `search` on this rank: calibration probes (if asked), the probes, the timed run. `on_probe(result)`
     gets each probe's measurements of this rank (`Prober.probe`); every rank calls it as often. Returns
     "done", or "leak": an out-of-memory probe left memory in use, and the search goes on in a fresh run."""
-    prober = prober or Prober(search.spec.experiment, rank, world_size, device, attempt)
+    prober = prober or Prober(
+        search.spec.experiment, rank, world_size, device, attempt, source=search.spec.model_source()
+    )
     prober.first_guess = None
 
     def probe(spec: TrialSpec) -> list[dict[str, Any]]:
