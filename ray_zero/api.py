@@ -226,6 +226,8 @@ def fit(
     margin_gib: float = 2.0,
     granularity: Optional[int] = None,
     max_micro_batch: int = 65536,
+    target: str = "micro_batch",
+    max_seq_len: Optional[int] = None,
     overrides: Sequence[str] = (),
     output: Union[str, os.PathLike, None] = None,
     address: Optional[str] = None,
@@ -235,10 +237,13 @@ def fit(
 ) -> FitResults:
     """The largest micro-batch within `budget_gib` per rank (default on GPU: the device's memory less
     `margin_gib`; required on CPU) for every (engine, stage, workers) of the grid, each search in one Ray
-    Train run, then the fastest exported as the config to train with (FitResults.best_ds_config)."""
-    settings = FitSettings(budget_gib, margin_gib, granularity, max_micro_batch)
+    Train run, then the fastest exported as the config to train with (FitResults.best_ds_config).
+    `target="seq_len"`: the longest sequence (to `max_seq_len`, default the model's positions) at each
+    micro-batch of the grid instead, found and confirmed alike."""
+    settings = FitSettings(budget_gib, margin_gib, granularity, max_micro_batch, target, max_seq_len)
     loaded, output, model = _prepare(experiment, overrides, output, resume, address)
     settings.check(loaded.device)
+    settings.check_model(model.seq_len, loaded.grid.seq_len)
     from ray_zero.run.fit import run_fit
 
     run_fit(
@@ -277,9 +282,10 @@ def estimate(
     override the grid (each is the `--set` of its key: workers is grid.num_workers, stages grid.stage,
     backend grid.backend, micro_batch_size grid.micro_batch_size, seq_len grid.seq_len, precision
     precision). Returns an Estimate: `.table` (GiB per rank, a row per point, as a sweep's row of it
-    predicts), `.rows` and `.head`; print it for the CLI's text. `gpu_gib`: mark what would not fit (default: this machine's
-    GPU, if it has one). With `measured` (a sweep's folder; its experiment when `model` is empty) and
-    `bandwidth` (a file of `bandwidth`) or `busbw` (GB/s): `.speed`, samples/s at each worker count."""
+    predicts), `.rows` and `.head`; print it for the CLI's text. `gpu_gib`: mark what would not fit
+    (default: this machine's GPU, if it has one). With `measured` (a sweep's folder; its experiment when
+    `model` is empty) and `bandwidth` (a file of `bandwidth`) or `busbw` (GB/s): `.speed`, samples/s at
+    each worker count."""
     from ray_zero.report.estimate import estimate as estimate_table
     from ray_zero.report.estimate import grid_overrides, this_gpu_gib
     from ray_zero.report.speed_estimate import speed_head, speed_source, speed_table

@@ -37,7 +37,7 @@ from ray_zero.config import Experiment, TrialSpec
 from ray_zero.measure import calibration
 from ray_zero.measure.memory_model import predict_point
 from ray_zero.measure.prediction import GIB
-from ray_zero.measure.search import BracketSearch, Steps, largest_predicted_to_fit
+from ray_zero.measure.search import TARGETS, BracketSearch, Steps, largest_predicted_to_fit
 from ray_zero.models.describe import build_model_spec
 from ray_zero.models.source import ModelSource
 from ray_zero.models.spec import ModelSpec, copied
@@ -56,6 +56,7 @@ class RecordedProbe:
     """A probe the search has already measured (in an earlier run of the same search)."""
 
     micro_batch_size: int
+    """The value probed: a micro-batch, or a seq_len with fit --target seq_len."""
     status: str
     peak_gib: Optional[float]
     per_sample_gib: Optional[float] = None
@@ -67,7 +68,7 @@ class SearchSpec:
     """One search of `fit`, as its ranks get it."""
 
     spec: TrialSpec
-    """The search's point (its micro_batch_size a placeholder) with the probes' short experiment."""
+    """The search's point (its searched field a placeholder) with the probes' short experiment."""
     budget_gib: float
     steps: Steps
     timed: Optional[Experiment] = None
@@ -79,17 +80,26 @@ class SearchSpec:
     calibration: Optional[dict] = None
     """An earlier run's calibration figures (`calibration.per_sample_bytes`; {}: measured, nothing found),
     so that they are not measured again; None: not measured yet."""
+    target: str = "micro_batch"
+    """What the search varies (measure.search.TARGETS): micro_batch, or seq_len at the point's micro-batch."""
+    predicted_peaks: tuple[tuple[int, float], ...] = ()
+    """target seq_len on a GPU: the peaks (GiB) the driver predicted from steps traced at each length it
+    tried (a length's step is its own trace, which the ranks do not make)."""
+
+    @property
+    def field(self) -> str:
+        return TARGETS[self.target]
 
     @property
     def name(self) -> str:
-        """The search's point without its micro-batch: stage1_w1, fsdp_stage3_w2_ac."""
+        """The search's point without its searched value: stage1_w1, fsdp_stage3_w2_ac (stage1_mb4_w1)."""
         point = self.spec.point
-        return point.name.replace(f"_mb{point.micro_batch_size}", "")
+        searched = f"_s{point.seq_len}" if self.target == "seq_len" else f"_mb{point.micro_batch_size}"
+        return point.name.replace(searched, "")
 
-    def at(
-        self, micro_batch_size: int, experiment: Optional[Experiment] = None, label: str = ""
-    ) -> TrialSpec:
-        point = self.spec.point.replace(micro_batch_size=micro_batch_size)
+    def at(self, value: int, experiment: Optional[Experiment] = None, label: str = "") -> TrialSpec:
+        """The spec of a probe at `value` (a micro-batch, or a seq_len)."""
+        point = self.spec.point.replace(**{self.field: value})
         return dataclasses.replace(
             self.spec, point=point, experiment=experiment or self.spec.experiment, label=label
         )
@@ -106,17 +116,20 @@ class SearchSpec:
     def needs_calibration(self) -> bool:
         return self.calibrate and self.calibration is None
 
-    def predicted_peak(self, micro: int) -> Optional[float]:
-        """The memory model's peak (GiB) at `micro` on a GPU: the point's traced step, else this search's
-        calibration, else the presets' shapes; None where it predicts none (CPU, or unknown)."""
+    def predicted_peak(self, value: int) -> Optional[float]:
+        """The memory model's peak (GiB) at `value` on a GPU: the point's traced step, else this search's
+        calibration, else the presets' shapes; None where it predicts none (CPU, or unknown). A seq_len:
+        the driver's prediction at that length, where it made one."""
         if not self.spec.use_gpu:
             return None
+        if self.target == "seq_len":
+            return dict(self.predicted_peaks).get(value)
         calibrated = (
             {"bytes_per_sample": self.calibration, "seq_len": self.spec.point.seq_len}
             if self.calibration
             else None
         )
-        peak = predict_point(trial_row(self.at(micro)), calibrated).peak_bytes
+        peak = predict_point(trial_row(self.at(value)), calibrated).peak_bytes
         return None if peak is None else peak / GIB
 
     def first_guess(self) -> Optional[int]:
@@ -240,6 +253,7 @@ class Prober:
         release(self.device)
         result.update(
             micro_batch_size=spec.point.micro_batch_size,
+            seq_len=spec.point.seq_len,
             label=spec.label,
             trial=spec.name,
             first_guess=self.first_guess,
@@ -306,16 +320,16 @@ def run_search(
             )
         found = search.search()
         prober.first_guess = found.first_guess
-        while (micro := found.next_probe()) is not None:
-            ranks = probe(search.at(micro))
+        while (value := found.next_probe()) is not None:
+            ranks = probe(search.at(value))
             status = "oom" if any(r["probe_status"] == "oom" for r in ranks) else "ok"
             rises = [r.get("micro_batch_rise_bytes") or r.get("saved_for_backward_bytes") for r in ranks]
             rise = max((x for x in rises if x), default=None)
             found.record(
-                micro,
+                value,
                 status,
                 max(r["peak_allocated_gib"] for r in ranks) if status == "ok" else None,
-                rise / GIB / micro if rise else None,
+                rise / GIB / value if rise else None,  # per sample, or per token
             )
         if found.answer is not None and search.timed is not None:
             probe(search.at(found.answer, search.timed, label="timed"))
