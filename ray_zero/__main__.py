@@ -5,6 +5,7 @@ python -m ray_zero sweep experiments/quick.yaml --set grid.num_workers=[1,3] --s
 python -m ray_zero sweep experiments/quick.yaml --address auto  # join a running cluster
 python -m ray_zero sweep --resume runs/quick-20261129-120000     # finish an interrupted sweep
 python -m ray_zero fit experiments/gpt2_tiny_fit.yaml --budget-gib 3   # largest micro-batch that fits
+python -m ray_zero fit experiments/gpt2_tiny_fit.yaml --budget-gib 3 --target seq_len   # longest sequence
 python -m ray_zero report runs/quick-20261129-120000             # tables, plots, report.html again
 python -m ray_zero estimate experiments/llama_1b.yaml           # every grid point predicted
 python -m ray_zero bandwidth --workers 2                         # busbw between workers, for estimate
@@ -124,6 +125,15 @@ def _parser() -> argparse.ArgumentParser:
     fit.add_argument(
         "--max-micro-batch", type=int, default=65536, metavar="B", help="largest micro-batch tried"
     )
+    fit.add_argument(
+        "--target",
+        choices=["micro_batch", "seq_len"],
+        default="micro_batch",
+        help="what to find: the largest micro-batch (default), or the longest sequence at each micro-batch",
+    )
+    fit.add_argument(
+        "--max-seq-len", type=int, metavar="N", help="--target seq_len: longest tried (default: positions)"
+    )
 
     report = commands.add_parser(
         "report", help="re-render a finished sweep's tables, plots and report page (no Ray)"
@@ -150,6 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     estimate.add_argument("--backend", type=_names, help="grid.backend: deepspeed, torch_zero, fsdp")
     estimate.add_argument("--precision", help="precision: fp16, bf16 or fp32")
     estimate.add_argument("--micro-batch-size", type=_int_list, help="grid.micro_batch_size: 4,8,16")
+    estimate.add_argument("--seq-len", type=_int_list, help="grid.seq_len (token models): 512,1024,2048")
     estimate.add_argument(
         "--gpu-gib",
         type=float,
@@ -226,7 +237,9 @@ def _run(args) -> int:
         )
     try:
         if args.command == "fit":
-            search = _options(args, "budget_gib", "margin_gib", "granularity", "max_micro_batch")
+            search = _options(
+                args, "budget_gib", "margin_gib", "granularity", "max_micro_batch", "target", "max_seq_len"
+            )
             results = api.fit(args.experiment, **search, **common)
             print(results.fit.to_string(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-"))
         else:
@@ -270,7 +283,9 @@ def _report(args) -> int:
 def _estimate(args) -> int:
     model_set = [f"model={args.model}"] if args.model else []
     model = args.experiment or args.model or ("" if args.measured else "large")
-    grid = _options(args, "workers", "stages", "backend", "precision", "micro_batch_size", "calibration")
+    grid = _options(
+        args, "workers", "stages", "backend", "precision", "micro_batch_size", "seq_len", "calibration"
+    )
     speed = _options(args, "gpu_gib", "gpu", "measured", "bandwidth", "busbw")
     overrides = [*args.overrides, *(model_set if args.experiment else [])]
     print(api.estimate(model, **grid, **speed, overrides=overrides))

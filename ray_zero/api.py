@@ -123,7 +123,7 @@ def describe(experiment: Experiment, address: Optional[str] = None, check_machin
     """The model's facts (models.describe.ModelInfo), before Ray starts; a bad model is one ConfigError
     line. On this machine's own Ray, a model whose states cannot fit is refused as soon as its parameters
     are counted (not for `estimate`, which plans for the cluster the user will have)."""
-    from ray_zero.models.describe import describe_model
+    from ray_zero.models.describe import describe_lengths
     from ray_zero.models.source import ModelError
     from ray_zero.run.plan import check_model_fits, local_cluster, plan_sweep
 
@@ -133,10 +133,8 @@ def describe(experiment: Experiment, address: Optional[str] = None, check_machin
             check_model_fits(experiment, params, cluster, plan_sweep(experiment, cluster))
 
     try:
-        return describe_model(
-            experiment.model_source(),
-            check_params=check,
-        )
+        # On a seq_len axis each value is checked against the model's positions, and counted apart.
+        return describe_lengths(experiment.model_source(), experiment.grid.seq_len, check_params=check)
     except ModelError as error:
         raise ConfigError(f"model {experiment.model}: {error}") from None
 
@@ -228,6 +226,8 @@ def fit(
     margin_gib: float = 2.0,
     granularity: Optional[int] = None,
     max_micro_batch: int = 65536,
+    target: str = "micro_batch",
+    max_seq_len: Optional[int] = None,
     overrides: Sequence[str] = (),
     output: Union[str, os.PathLike, None] = None,
     address: Optional[str] = None,
@@ -237,10 +237,13 @@ def fit(
 ) -> FitResults:
     """The largest micro-batch within `budget_gib` per rank (default on GPU: the device's memory less
     `margin_gib`; required on CPU) for every (engine, stage, workers) of the grid, each search in one Ray
-    Train run, then the fastest exported as the config to train with (FitResults.best_ds_config)."""
-    settings = FitSettings(budget_gib, margin_gib, granularity, max_micro_batch)
+    Train run, then the fastest exported as the config to train with (FitResults.best_ds_config).
+    `target="seq_len"`: the longest sequence (to `max_seq_len`, default the model's positions) at each
+    micro-batch of the grid instead, found and confirmed alike."""
+    settings = FitSettings(budget_gib, margin_gib, granularity, max_micro_batch, target, max_seq_len)
     loaded, output, model = _prepare(experiment, overrides, output, resume, address)
     settings.check(loaded.device)
+    settings.check_model(model.seq_len, loaded.grid.seq_len)
     from ray_zero.run.fit import run_fit
 
     run_fit(
@@ -265,6 +268,7 @@ def estimate(
     backend: Optional[Union[str, Sequence[str]]] = None,
     precision: Optional[str] = None,
     micro_batch_size: Optional[Union[int, Sequence[int]]] = None,
+    seq_len: Optional[Union[int, Sequence[int]]] = None,
     calibration: Union[str, os.PathLike, None] = None,
     gpu_gib: Optional[float] = None,
     measured: Union[str, os.PathLike, None] = None,
@@ -277,14 +281,14 @@ def estimate(
     experiment (a YAML path, a mapping or an Experiment) or a model source (`hf:llama`, `timm:resnet50`,
     `large`, `pkg.module:factory`: the default experiment's grid for it). The keyword arguments narrow or
     override the grid (each is the `--set` of its key: workers is grid.num_workers, stages grid.stage,
-    backend grid.backend, micro_batch_size grid.micro_batch_size, precision precision). Returns an
-    Estimate: `.table` (GiB per rank, a row per point, as a sweep's row of it predicts), `.rows` and
-    `.head`; print it for the CLI's text. `gpu_gib`: mark what would not fit (default: this machine's
-    GPU, if it has one); the fit allows for the prediction's error band, the allocator's reserve and the
-    CUDA context. `gpu`: the GPU's name (h100, A100-SXM4-80GB; default: this machine's), against which the
-    band is checked (its architecture). With `measured` (a sweep's folder; its experiment when `model` is
-    empty) and `bandwidth` (a file of `bandwidth`) or `busbw` (GB/s): `.speed`, samples/s at each worker
-    count."""
+    backend grid.backend, micro_batch_size grid.micro_batch_size, seq_len grid.seq_len, precision
+    precision). Returns an Estimate: `.table` (GiB per rank, a row per point, as a sweep's row of it
+    predicts), `.rows` and `.head`; print it for the CLI's text. `gpu_gib`: mark what would not fit
+    (default: this machine's GPU, if it has one), allowing for the prediction's error band, the allocator's
+    reserve and the CUDA context. `gpu`: the GPU's name (h100, A100-SXM4-80GB; default: this machine's),
+    whose architecture the band is checked against. With `measured` (a sweep's folder; its experiment when
+    `model` is empty) and `bandwidth` (a file of `bandwidth`) or `busbw` (GB/s): `.speed`, samples/s at
+    each worker count."""
     from ray_zero.report.estimate import estimate as estimate_table
     from ray_zero.report.estimate import grid_overrides, this_gpu, this_gpu_gib
     from ray_zero.report.speed_estimate import speed_head, speed_source, speed_table
@@ -296,7 +300,7 @@ def estimate(
     source = speed_source(measured, bandwidth, busbw)
     if not model and measured is not None:
         model = dict(read_experiment_file(Path(measured)).get("experiment") or {})
-    narrowed = [*overrides, *grid_overrides(workers, stages, backend, precision, micro_batch_size)]
+    narrowed = [*overrides, *grid_overrides(workers, stages, backend, precision, micro_batch_size, seq_len)]
     is_source = isinstance(model, str) and not model.endswith((".yaml", ".yml"))
     experiment = (
         validate_experiment({"steps": 2, "warmup_steps": 1}, [f"model={model}", *narrowed], source="estimate")

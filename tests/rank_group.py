@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from ray_zero.config import Experiment, Point, TrialSpec
 from ray_zero.experiment_file import load_experiment
-from ray_zero.models.describe import ModelInfo, describe_model
+from ray_zero.models.describe import ModelInfo, describe_lengths
 from ray_zero.rows import aggregate_ranks, failed_row_fields, finish_row, skipped_row, trial_row
 from ray_zero.run.plan import Cluster, plan_sweep
 
@@ -46,9 +46,9 @@ def experiment_of(path: str | os.PathLike, *overrides: str) -> Experiment:
 
 def describe(experiment: Experiment) -> ModelInfo:
     """The driver's description of the experiment's model (meta device), once per model."""
-    key = repr(experiment.model_source())
+    key = repr((experiment.model_source(), experiment.grid.seq_len))
     if key not in _DESCRIBED:
-        _DESCRIBED[key] = describe_model(experiment.model_source())
+        _DESCRIBED[key] = describe_lengths(experiment.model_source(), experiment.grid.seq_len)
     return _DESCRIBED[key]
 
 

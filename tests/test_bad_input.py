@@ -47,6 +47,22 @@ CASES = [
     ("factory not importable", [QUICK, "--set", "model=examples/nope.py:build"], "examples/nope.py"),
     ("seq_len beyond the model", [QUICK, "--set", "model=hf:gpt2", "--set", "seq_len=4096"], "4096"),
     (
+        "a seq_len axis value beyond the model",
+        [QUICK, "--set", "model=hf:gpt2", "--set", "model_config={{n_layer: 1, n_embd: 32, n_head: 2, "
+         "n_positions: 256}}", "--set", "grid.seq_len=[128,512]"],
+        "grid.seq_len 512: seq_len 512 exceeds hf:gpt2's maximum positions 256 (allowed: 1 to 256)",
+    ),  # fmt: skip
+    (
+        "a seq_len axis on a vision model",
+        [QUICK, "--set", "grid.seq_len=[64,128]"],
+        "grid.seq_len 128: seq_len 128 not used by seed (it trains on 1x28x28 MNIST-shaped images",
+    ),
+    (
+        "seq_len and its axis disagree",
+        [QUICK, "--set", "model=hf:gpt2", "--set", "seq_len=64", "--set", "grid.seq_len=[64,128]"],
+        "seq_len 64 and grid.seq_len [64, 128] disagree",
+    ),
+    (
         "model states beyond memory",
         [
             QUICK,

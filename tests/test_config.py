@@ -116,6 +116,11 @@ def test_grid_points_are_the_cartesian_product():
             {"steps": 5, "runtime": {"max_concurrent_trials": 0}},
             "runtime.max_concurrent_trials: should be greater than 0, got 0",
         ),
+        (
+            {"steps": 5, "model": "hf:gpt2", "seq_len": 256, "grid": {"seq_len": [128, 512]}},
+            "seq_len 256 and grid.seq_len [128, 512] disagree",
+        ),
+        ({"steps": 5, "grid": {"seq_len": [128, 0]}}, "grid.seq_len: must be integers of at least 1, got 0"),
     ],
 )
 def test_bad_values_are_one_line_naming_key_and_allowed(raw, expected):
@@ -204,3 +209,23 @@ def test_several_engines_skip_the_stages_one_of_them_lacks_with_the_reason():
 def test_point_names_say_engine_checkpointing_and_offload():
     assert Point("deepspeed", 2, 8, 2, True, "cpu").name == "stage2_mb8_w2_ac_offloadcpu"
     assert Point("fsdp", 3, 8, 2).name == "fsdp_stage3_mb8_w2"
+    assert Point("deepspeed", 1, 8, 2, seq_len=512).name == "stage1_mb8_w2_s512"
+
+
+def test_seq_len_axis_is_one_point_per_value_and_reaches_the_model_source():
+    e = validate_experiment(
+        {
+            "steps": 4,
+            "model": "hf:gpt2",
+            "grid": {"stage": [1], "micro_batch_size": [2], "seq_len": [512, 128]},
+        }
+    )
+    points = e.grid.points()
+    assert [p.seq_len for p in points] == [128, 512] and e.seq_lens() == [128, 512]
+    assert [e.model_source(p).seq_len for p in points] == [128, 512]
+    # the top-level seq_len stays: a one-value axis, alone or given twice alike
+    one = validate_experiment({"steps": 4, "model": "hf:gpt2", "seq_len": 256})
+    assert one.seq_lens() == [256] and one.grid.points()[0].seq_len is None
+    assert one.model_source(one.grid.points()[0]).seq_len == 256
+    both = validate_experiment({"steps": 4, "model": "hf:gpt2", "seq_len": 256, "grid": {"seq_len": 256}})
+    assert [p.seq_len for p in both.grid.points()] == [256, 256]

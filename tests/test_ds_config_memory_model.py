@@ -189,6 +189,31 @@ def test_estimate_prints_exactly_the_experiments_grid(tmp_path, capsys):
     assert 1.8 < second / first < 2.1
 
 
+TINY = {
+    "hf:gpt2": "{n_layer: 2, n_embd: 64, n_head: 4, vocab_size: 1000, n_positions: 512}",
+    "hf:bert": "{num_hidden_layers: 2, hidden_size: 64, num_attention_heads: 4, intermediate_size: 128, "
+    "vocab_size: 1000, max_position_embeddings: 512}",
+}
+
+
+@pytest.mark.parametrize("model", sorted(TINY))
+def test_estimate_predicts_each_seq_len_of_the_axis_from_its_own_step(model, capsys):
+    # A tiny model from its config class (no weights, no network): each length's step traced apart, its
+    # peak growing with the length, and the column shown because the axis varies.
+    args = ["--model", model, "--set", f"model_config={TINY[model]}", "--stages", "1", "--workers", "1"]
+    status, out = _estimate(capsys, *args, "--micro-batch-size", "2", "--seq-len", "64,128,256,512")
+    assert status == 0 and "seq_len 64, 128, 256, 512" in out.splitlines()[0]
+    rows = _table(out)
+    assert [r["seq_len"] for r in rows] == ["64", "128", "256", "512"]
+    assert {r["activations"] for r in rows} == {"traced"}
+    activations = [float(r["activations_gib"]) for r in rows]
+    peaks = [float(r["peak_gib"]) for r in rows]
+    assert peaks == sorted(set(peaks)) and activations[-1] > 6 * activations[0]  # 8x the tokens
+    # One value: no seq_len column (the head says it).
+    status, out = _estimate(capsys, *args, "--micro-batch-size", "2", "--seq-len", "128")
+    assert "seq_len" not in out.splitlines()[2] and "seq_len 128" in out.splitlines()[0]
+
+
 def test_estimate_plans_for_the_cluster_the_user_will_have(capsys):
     # 1.9 B parameters: 30 GiB of model states at stage 0 on one rank, more than this 24 GiB machine; estimate
     # still prints the stages and workers it was given (sweep and fit refuse it here), and --gpu-gib marks

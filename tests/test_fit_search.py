@@ -252,3 +252,56 @@ def test_searches_that_share_their_workers_share_a_run_unless_there_is_room_for_
     # Room for more runs at once: the largest group is split until there is a run for each.
     assert names(4) == [["stage0_w1"], ["stage1_w1", "stage3_w1"], ["stage2_w2"], ["fsdp_stage3_w1"]]
     assert sorted(map(len, names(8))) == [1] * 5
+
+
+def _seq_len_search(budget: float, **fields):
+    """A seq_len search of fit_gpt2_cpu.yaml's tiny GPT-2 (512 positions) at micro-batch 16, as on a GPU."""
+    import dataclasses
+
+    from conftest import ROOT
+    from rank_group import experiment_of, trial_spec
+
+    from ray_zero.config import Point
+    from ray_zero.measure.search import FitSettings
+    from ray_zero.train.probing import SearchSpec
+
+    experiment = experiment_of(ROOT / "experiments" / "fit_gpt2_cpu.yaml", "precision=bf16").probe(3)
+    steps = FitSettings(target="seq_len").steps([16], max_positions=512)
+    spec = dataclasses.replace(trial_spec(experiment, Point("deepspeed", 1, 16, 1, seq_len=64)), use_gpu=True)
+    return SearchSpec(spec, budget, steps, target="seq_len", **fields), steps
+
+
+def test_a_seq_len_searchs_first_guess_is_predicted_from_a_step_traced_at_each_length():
+    from ray_zero.run.fit import predicted_lengths
+
+    search, steps = _seq_len_search(1.0)
+    assert (steps.smallest, steps.largest, steps.up(128)) == (64, 512, 192)  # 64 tokens a step, to positions
+    everywhere = dict(predicted_lengths(search.spec, 100.0, steps))
+    assert list(everywhere) == [64, 128, 256, 512]  # doubling to the largest: every length fits
+    peaks = list(everywhere.values())
+    assert peaks == sorted(set(peaks))  # each length its own traced step: the peak grows with it
+    # A budget between the peaks at 256 and 512: bisection finds the longest length predicted within it.
+    budget = (everywhere[256] + everywhere[512]) / 2
+    peaks = dict(predicted_lengths(search.spec, budget, steps))
+    guess = max(n for n, peak in peaks.items() if peak <= budget)
+    assert 256 <= guess < 512 and steps.up(guess) in peaks and peaks[steps.up(guess)] > budget
+    # The search starts there, and a first probe measured as predicted is confirmed as micro-batches are.
+    search, _ = _seq_len_search(budget, predicted_peaks=tuple(peaks.items()))
+    found = search.search()
+    assert found.first_guess == guess == found.next_probe()
+    found.record(guess, "ok", peaks[guess])
+    confirm = peaks[steps.up(guess)] <= budget * 1.05  # the next length predicted within 5 % of the budget
+    assert found.next_probe() == (steps.up(guess) if confirm else None)
+    assert search.at(guess).point.seq_len == guess and search.name == "stage1_mb16_w1"
+
+
+def test_fit_refuses_a_seq_len_target_it_cannot_search_in_one_line():
+    from ray_zero.config import ConfigError
+    from ray_zero.measure.search import FitSettings
+
+    settings = FitSettings(budget_gib=2.0, target="seq_len")
+    with pytest.raises(ConfigError, match="needs a token model"):
+        settings.check_model(None, None)
+    with pytest.raises(ConfigError, match=r"give no grid.seq_len \(\[128, 256\]\)"):
+        settings.check_model(512, [128, 256])
+    FitSettings(budget_gib=2.0).check_model(None, [128, 256])  # micro_batch: a search at each length

@@ -290,3 +290,21 @@ def test_a_copied_spec_refers_to_its_own_module():
     assert not any(getattr(b, "_ray_zero_checkpointed", False) for b in spec.blocks)
     batch = spec.make_batch(2, torch.device("cpu"), torch.Generator().manual_seed(0))
     assert torch.equal(copy.loss(copy.module, batch), spec.loss(spec.module, batch))
+
+
+def test_a_seq_len_search_trains_each_probe_at_its_own_length(ranks):
+    # fit --target seq_len at rank level: the micro-batch stays, each probe's batches are of its length
+    # (the model kept for the first length is not reused at another), and with every length within the
+    # budget the search reaches the model's 512 positions from 64 (steps of 64 tokens).
+    experiment = experiment_of(FIT).probe(3)
+    steps = Steps(64, 512)
+    search = SearchSpec(
+        trial_spec(experiment, Point("deepspeed", 1, 2, 1, seq_len=64)), 64.0, steps, target="seq_len"
+    )
+    end, probes = ranks(1).call(search_only, search)[0]
+    assert end == "done"
+    assert [(p["seq_len"], p["micro_batch_size"], p["probe_status"]) for p in probes] == [
+        (64, 2, "ok"),
+        (512, 2, "ok"),
+    ]
+    assert probes[1]["saved_for_backward_bytes"] > 6 * probes[0]["saved_for_backward_bytes"]  # 8x the tokens

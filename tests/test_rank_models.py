@@ -47,3 +47,20 @@ def test_each_model_source_trains_at_stage_0_and_1_on_two_ranks(source, ranks, m
         assert all(0 <= extra < 64 for extra in padding), padding
     halved = rows[1]["optimizer_state_bytes_per_rank_max"] / rows[0]["optimizer_state_bytes_per_rank_max"]
     assert abs(halved - 0.5) < 0.005, halved  # within 1% of half
+
+
+def test_each_point_of_a_seq_len_axis_trains_at_its_own_length(ranks):
+    # grid.seq_len on a rank: each point's batches have its length (the saved activations grow with it),
+    # and its row records the length, its own sample bytes and FLOPs (the model described at each value).
+    experiment = experiment_of(
+        "experiments/tiny_models_cpu.yaml", "seq_len=null", "grid.stage=[1]", "grid.num_workers=[1]",
+        "grid.seq_len=[32,128]",
+    )  # fmt: skip
+    specs = trial_specs(experiment)
+    assert sorted(specs) == ["stage1_mb4_w1_s128", "stage1_mb4_w1_s32"], sorted(specs)
+    short, long = (ranks(1).row(specs[f"stage1_mb4_w1_s{n}"]) for n in (32, 128))
+    assert short["status"] == long["status"] == "ok", (short.get("error"), long.get("error"))
+    assert (short["seq_len"], long["seq_len"]) == (32, 128)
+    assert long["sample_bytes"] == 4 * short["sample_bytes"]
+    assert long["flops_per_sample"] > 3.5 * short["flops_per_sample"]
+    assert long["saved_for_backward_bytes_per_rank_max"] > 3 * short["saved_for_backward_bytes_per_rank_max"]

@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
+from ray_zero.config.points import Point
 from ray_zero.config.sections import Fault, Grid, Optimizer, Runtime, StrictModel
 from ray_zero.models.presets import PRESETS
 from ray_zero.models.source import ModelSource
@@ -43,7 +44,8 @@ class Experiment(StrictModel):
     """(YAML key `model_config`) Keyword arguments of the model: the Transformers config's keys,
     timm.create_model's, or the factory's."""
     seq_len: Optional[int] = Field(default=None, gt=0)
-    """Tokens per sample for language models (default: the model's maximum positions, at most 1024)."""
+    """Tokens per sample for language models (default: the model's maximum positions, at most 1024);
+    grid.seq_len makes it an axis."""
     input_shape: Optional[list[int]] = None
     """A factory's plain nn.Module classifier: the shape of one input sample, e.g. [3, 32, 32]."""
     num_classes: Optional[int] = Field(default=None, gt=0)
@@ -120,12 +122,24 @@ class Experiment(StrictModel):
             )
         if self.epochs is not None and self.resolved_dataset() == "synthetic":
             raise ValueError("epochs need a dataset (mnist); synthetic data trains for steps")
+        axis = self.grid.seq_len
+        if self.seq_len is not None and axis is not None and set(axis) != {self.seq_len}:
+            raise ValueError(
+                f"seq_len {self.seq_len} and grid.seq_len {axis} disagree; give one of them (a single "
+                "seq_len is a one-value axis)"
+            )
         return self
 
     # Derived values are methods, not stored copies.
-    def model_source(self) -> ModelSource:
-        """The model's five fields, whole (what describe_model counts and build_model_spec builds)."""
-        return ModelSource(self.model, self.model_options, self.seq_len, self.input_shape, self.num_classes)
+    def model_source(self, point: Optional[Point] = None) -> ModelSource:
+        """The model's five fields, whole (what describe_model counts and build_model_spec builds), at
+        `point`'s seq_len where the grid has that axis."""
+        seq_len = point.seq_len if point is not None and point.seq_len is not None else self.seq_len
+        return ModelSource(self.model, self.model_options, seq_len, self.input_shape, self.num_classes)
+
+    def seq_lens(self) -> list[Optional[int]]:
+        """The seq_len axis's values, ascending (grid.seq_len), else the one seq_len (None: the model's)."""
+        return sorted(set(self.grid.seq_len)) if self.grid.seq_len else [self.seq_len]
 
     def is_preset(self) -> bool:
         return self.model in PRESETS

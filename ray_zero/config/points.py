@@ -1,5 +1,5 @@
 """The engines (registered once, here), which ZeRO stages each runs, and a grid's Point: one trial's
-engine, stage, micro-batch size, workers, checkpointing and offload."""
+engine, stage, micro-batch size, workers, checkpointing, offload and (on a seq_len axis) sequence length."""
 
 from __future__ import annotations
 
@@ -83,13 +83,18 @@ class Point:
     num_workers: int
     activation_checkpointing: bool = False
     offload_optimizer: str = "none"
+    seq_len: Optional[int] = None
+    """Tokens per sample where the grid has a seq_len axis (grid.seq_len); None: the experiment's seq_len."""
 
     @property
     def name(self) -> str:
-        """deepspeed points keep the short names of earlier results (stage1_mb64_w2)."""
+        """deepspeed points keep the short names of earlier results (stage1_mb64_w2); a seq_len axis adds
+        _s512."""
         prefix = "" if self.backend == "deepspeed" else f"{self.backend}_"
-        suffix = ("_ac" if self.activation_checkpointing else "") + (
-            f"_offload{self.offload_optimizer}" if self.offload_optimizer != "none" else ""
+        suffix = (
+            ("_ac" if self.activation_checkpointing else "")
+            + (f"_offload{self.offload_optimizer}" if self.offload_optimizer != "none" else "")
+            + (f"_s{self.seq_len}" if self.seq_len is not None else "")
         )
         return f"{prefix}stage{self.stage}_mb{self.micro_batch_size}_w{self.num_workers}{suffix}"
 

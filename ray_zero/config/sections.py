@@ -56,6 +56,9 @@ class Grid(StrictModel):
     offload_optimizer: list[Offload] = Field(default=["none"], min_length=1)
     """DeepSpeed ZeRO-Offload: cpu keeps the optimizer states and fp32 master weights in CPU memory
     and steps them there (DeepSpeed stages 1-3 only)."""
+    seq_len: Optional[list[int]] = Field(default=None, min_length=1)
+    """Tokens per sample, an axis for token models (each value its own point, predicted from its own traced
+    step); unset: the experiment's seq_len, one value."""
 
     @field_validator(
         "backend",
@@ -64,16 +67,17 @@ class Grid(StrictModel):
         "num_workers",
         "activation_checkpointing",
         "offload_optimizer",
+        "seq_len",
         mode="before",
     )
     @classmethod
     def _scalar_to_list(cls, value: Any) -> Any:
-        return value if isinstance(value, list) else [value]
+        return value if isinstance(value, list) or value is None else [value]
 
-    @field_validator("micro_batch_size", "num_workers")
+    @field_validator("micro_batch_size", "num_workers", "seq_len")
     @classmethod
-    def _at_least_one(cls, values: list[int]) -> list[int]:
-        bad = [v for v in values if v < 1]
+    def _at_least_one(cls, values: Optional[list[int]]) -> Optional[list[int]]:
+        bad = [v for v in values or [] if v < 1]
         if bad:
             raise ValueError(f"must be integers of at least 1, got {bad[0]}")
         return values
@@ -97,14 +101,15 @@ class Grid(StrictModel):
 
     def _all_points(self) -> list[Point]:
         return [
-            Point(b, s, m, w, ac, o)
-            for b, s, m, w, ac, o in itertools.product(
+            Point(b, s, m, w, ac, o, n)
+            for b, s, m, w, ac, o, n in itertools.product(
                 dict.fromkeys(self.backend),
                 sorted(set(self.stage)),
                 sorted(set(self.micro_batch_size)),
                 sorted(set(self.num_workers)),
                 sorted(set(self.activation_checkpointing)),
                 dict.fromkeys(self.offload_optimizer),
+                sorted(set(self.seq_len)) if self.seq_len else [None],
             )
         ]
 

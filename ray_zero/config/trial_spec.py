@@ -40,9 +40,19 @@ class TrialSpec:
     """calibration.json, where the sweep calibrated: the activations of points that were not traced, and a
     check beside those that were."""
 
+    def __post_init__(self) -> None:
+        # On a seq_len axis the model's description is the point's own (its FLOPs, sample bytes, seq_len).
+        at = getattr(self.model, "at", None)
+        if at is not None:
+            object.__setattr__(self, "model", at(self.point.seq_len))
+
     @property
     def name(self) -> str:
         return self.point.name + (f"_{self.label}" if self.label else "")
+
+    def model_source(self):
+        """The model as this point trains it (its seq_len on a seq_len axis)."""
+        return self.experiment.model_source(self.point)
 
 
 def is_calibration(trial: str) -> bool:

@@ -104,10 +104,12 @@ def calibration_points(
     engines: Optional[set[tuple[str, bool]]] = None,
 ) -> list[Point]:
     """Per engine of the grid (at its smallest stage) and per checkpointing setting (those of `engines`,
-    if given): one worker at each of `calibration_sizes`."""
+    if given): one worker at each of `calibration_sizes`; on a seq_len axis, at its longest value (the
+    figure serves that value's rows only: `lookup`)."""
     sizes = calibration_sizes(model, precision, on_gpu)
+    seq_len = experiment.seq_lens()[-1] if experiment.grid.seq_len else None
     return [
-        Point(backend, BACKEND_STAGES[backend][0], size, 1, checkpointing)
+        Point(backend, BACKEND_STAGES[backend][0], size, 1, checkpointing, seq_len=seq_len)
         for backend in dict.fromkeys(experiment.grid.backend)
         for checkpointing in sorted(set(experiment.grid.activation_checkpointing))
         if engines is None or (backend, checkpointing) in engines
@@ -214,11 +216,16 @@ def per_sample_bytes(rows: list[dict[str, Any]], on_gpu: bool) -> dict[str, Opti
     return next(iter(_by_backend(fits).values()), {})
 
 
-def lookup(calibration: Optional[dict], backend: str, checkpointing: bool) -> tuple[Optional[float], str]:
+def lookup(
+    calibration: Optional[dict], backend: str, checkpointing: bool, seq_len: Optional[int] = None
+) -> tuple[Optional[float], str]:
     """Bytes per sample for a row of `backend`, and what it rests on: that engine's own fit, else the
-    first engine's (a file of an older version, or an engine not calibrated)."""
+    first engine's (a file of an older version, or an engine not calibrated). A row on a seq_len axis
+    (`seq_len`) only at the length calibrated: bytes per sample at one length say nothing of another."""
     if not calibration:
         return None, "no calibration"
+    if seq_len is not None and calibration.get("seq_len") != seq_len:
+        return None, f"calibrated at seq_len {calibration.get('seq_len')}, not {seq_len}"
     key = "checkpointed" if checkpointing else "plain"
     own = (calibration.get("by_backend") or {}).get(backend, {})
     if own.get(key) is not None:
@@ -254,7 +261,7 @@ def write_calibration(
     calibration = {
         "model": experiment.model,
         "model_config": experiment.model_options,
-        "seq_len": experiment.seq_len,
+        "seq_len": next((r["seq_len"] for r in rows if r.get("seq_len") is not None), experiment.seq_len),
         "precision": precision,
         "device": "cuda" if on_gpu else "cpu",
         "measured": "micro_batch_rise_bytes (GPU allocator)"

@@ -72,7 +72,8 @@ def activation_estimate(
         return preset_activation_bytes(
             PRESETS[model], micro, row["precision"], checkpointing
         ), "preset shapes"
-    per_sample, source = lookup(calibration, row.get("backend", "deepspeed"), checkpointing)
+    backend = row.get("backend", "deepspeed")
+    per_sample, source = lookup(calibration, backend, checkpointing, row.get("seq_len"))
     if per_sample is None:
         return None, source
     return per_sample * micro, source

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 from ray_zero.config import ConfigError
+
+TARGETS = {"micro_batch": "micro_batch_size", "seq_len": "seq_len"}
+"""What fit searches (--target), and the grid point's field it varies."""
 
 
 @dataclass(frozen=True)
@@ -24,11 +27,47 @@ class FitSettings:
     """Memory per rank to stay within (GPU default: the device's memory less margin_gib; CPU: required)."""
     margin_gib: float = 2.0
     granularity: Optional[int] = None
-    """Search to a multiple of this many samples (default: every size below 64, multiples of 8 above)."""
+    """Search to a multiple of this many samples (default: every size below 64, multiples of 8 above), or
+    tokens with target seq_len (default 64)."""
     max_micro_batch: int = 65536
+    target: Literal["micro_batch", "seq_len"] = "micro_batch"
+    """micro_batch: the largest micro-batch (at each seq_len of the grid); seq_len: the longest sequence
+    at each micro-batch of the grid."""
+    max_seq_len: Optional[int] = None
+    """target seq_len: the longest sequence tried (default: the model's maximum positions)."""
+
+    @property
+    def field(self) -> str:
+        """The point's field the search varies."""
+        return TARGETS[self.target]
+
+    def steps(self, sizes: list[int], max_positions: Optional[int]) -> "Steps":
+        """The values a search may try: micro-batches up to max_micro_batch (the grid's largest where it
+        gives several), or sequence lengths in steps of `granularity` tokens up to the model's positions."""
+        if self.target == "seq_len":
+            limits = [n for n in (self.max_seq_len, max_positions) if n]
+            return Steps(self.granularity or SEQ_LEN_GRANULARITY, min(limits, default=65536))
+        largest = min(self.max_micro_batch, max(sizes)) if len(sizes) > 1 else self.max_micro_batch
+        return Steps(self.granularity, largest)
+
+    def check_model(self, seq_len: Optional[int], grid_seq_len: Optional[list[int]]) -> None:
+        """target seq_len: a token model (one with a seq_len), and no seq_len axis (the search varies it)."""
+        if self.target != "seq_len":
+            return
+        if seq_len is None:
+            raise ConfigError("fit --target seq_len needs a token model (one trained on seq_len tokens)")
+        if grid_seq_len:
+            raise ConfigError(
+                f"fit --target seq_len searches the length: give no grid.seq_len ({grid_seq_len}); "
+                "--max-seq-len bounds it"
+            )
 
     def check(self, device: str) -> None:
         """Refuse bad settings in one line, before Ray starts (`device`: the experiment's)."""
+        if self.target not in TARGETS:
+            raise ConfigError(f"--target {self.target}: allowed: {', '.join(TARGETS)}")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ConfigError(f"--max-seq-len {self.max_seq_len}: give a whole number of tokens, at least 1")
         if self.budget_gib is not None and self.budget_gib <= 0:
             raise ConfigError(f"--budget-gib {self.budget_gib}: give a positive number of GiB per rank")
         if self.granularity is not None and self.granularity < 1:
@@ -47,6 +86,8 @@ class FitSettings:
 
 
 CPU_NEEDS_A_BUDGET = "fit on CPU needs --budget-gib G: the peak resident set per worker to stay within"
+SEQ_LEN_GRANULARITY = 64
+"""fit --target seq_len searches to a multiple of this many tokens unless --granularity says otherwise."""
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ input raises one ModelError line. No Ray, no DeepSpeed here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -100,6 +101,15 @@ class ModelInfo:
     out), counted on the meta device in the dtype the model is built in: what calibration sizes from. An
     upper bound: on meta, attention keeps every head's attention matrix (eager, or SDPA's math path),
     which fused attention kernels do not (1.0-1.35x of the CPU's count on the tiny test models)."""
+
+    by_seq_len: dict[int, "ModelInfo"] = field(default_factory=dict)
+    """On a seq_len axis (grid.seq_len): the model described at each value (`describe_lengths`)."""
+
+    def at(self, seq_len: int | None) -> "ModelInfo":
+        """The description at one value of the seq_len axis (its seq_len, FLOPs and sample bytes); itself
+        without an axis or at a value not described."""
+        variant = self.by_seq_len.get(seq_len) if seq_len is not None else None
+        return dataclasses.replace(variant, by_seq_len=self.by_seq_len) if variant is not None else self
 
     @property
     def trainable_params(self) -> int:
@@ -188,6 +198,29 @@ def describe_model(
             for p in m.parameters(recurse=False)
         ),
     )
+
+
+def describe_lengths(
+    source: ModelSource, lengths: Iterable[int] | None, check_params: Callable[[int], None] | None = None
+) -> ModelInfo:
+    """`describe_model` at each value of a seq_len axis (grid.seq_len; none: the source's own), the
+    longest first (a value beyond the model's positions is refused before the others are counted); the
+    shortest's description, holding every value's (ModelInfo.at). A bad value raises a ModelError that
+    names it."""
+    if not lengths:
+        return describe_model(source, check_params=check_params)
+    described: dict[int, ModelInfo] = {}
+    for seq_len in sorted(set(lengths), reverse=True):
+        try:
+            described[seq_len] = describe_model(
+                dataclasses.replace(source, seq_len=seq_len), check_params=None if described else check_params
+            )
+        except ModelError as error:
+            raise ModelError(f"grid.seq_len {seq_len}: {error}") from None
+    shortest = described[min(described)]
+    values = ", ".join(str(n) for n in sorted(described))
+    description = shortest.description.replace(f"seq_len {shortest.seq_len}", f"seq_len {values}", 1)
+    return dataclasses.replace(shortest, by_seq_len=described, description=description)
 
 
 def _sample_bytes(spec) -> int | None:

@@ -104,8 +104,8 @@ def build_hf(model_type: str, config: dict, seq_len, input_shape, num_classes, c
         seq_len = seq_len or min(DEFAULT_SEQ_LEN, max_positions)
         if seq_len > max_positions:
             raise ModelError(
-                f"seq_len {seq_len} exceeds {source}'s maximum positions {max_positions}; "
-                "lower seq_len or raise max_position_embeddings in model_config"
+                f"seq_len {seq_len} exceeds {source}'s maximum positions {max_positions} (allowed: 1 to "
+                f"{max_positions}); lower seq_len or raise max_position_embeddings in model_config"
             )
     seq_len = seq_len or (DEFAULT_SEQ_LEN if task in TOKEN_TASKS else None)
     if task == "seq2seq-lm":
@@ -142,8 +142,8 @@ def build_hf(model_type: str, config: dict, seq_len, input_shape, num_classes, c
         if not defaulted:
             raise ModelError(
                 f"seq_len {seq_len} exceeds {source}'s positions: it numbers them from its padding index, so "
-                f"max_position_embeddings {max_positions} leaves {limit}; lower seq_len or raise "
-                "max_position_embeddings in model_config"
+                f"max_position_embeddings {max_positions} leaves {limit} (allowed: 1 to {limit}); lower "
+                "seq_len or raise max_position_embeddings in model_config"
             )
         seq_len, max_positions = limit, limit
     blocks = find_blocks(module)

@@ -23,7 +23,7 @@ from ray_zero.measure.calibration import read_calibration
 from ray_zero.measure.engine_memory import paper
 from ray_zero.measure.prediction import GIB
 from ray_zero.rows import band_fields, trial_row
-from ray_zero.train.grid_trace import Traced, trace_grid, trace_key
+from ray_zero.train.grid_trace import Traced, trace_grid, trace_key, traced_names
 
 TERMS = (  # (column, the row's predicted_*_gib terms it adds up)
     ("params_gib", ("parameter",)),
@@ -36,7 +36,7 @@ TERMS = (  # (column, the row's predicted_*_gib terms it adds up)
     ("step_temp_gib", ("step_transient",)),
     ("other_gib", ("workspace", "data")),
 )
-VARYING = ("activation_checkpointing", "offload_optimizer")
+VARYING = ("activation_checkpointing", "offload_optimizer", "seq_len")
 """Point fields shown only where the grid varies them."""
 
 
@@ -103,7 +103,9 @@ def estimate(
             True,
             model,
             "",
-            activations=traces[trace_key(point.backend, precision, point.activation_checkpointing)],
+            activations=traces[
+                trace_key(point.backend, precision, point.activation_checkpointing, point.seq_len)
+            ],
             calibration=calibration,
         )
         row = trial_row(spec)
@@ -122,6 +124,7 @@ def _line(row: dict, gpu_gib: Optional[float], gpu: Optional[str]) -> dict:
         "stage": row["stage"],
         "workers": row["num_workers"],
         "micro_batch": row["micro_batch_size"],
+        "seq_len": row.get("seq_len"),
         "activation_checkpointing": row["activation_checkpointing"],
         "offload_optimizer": row["offload_optimizer"],
         "paper_states_gib": paper(
@@ -147,16 +150,11 @@ def _line(row: dict, gpu_gib: Optional[float], gpu: Optional[str]) -> dict:
 
 
 def _head(experiment: Experiment, model, precision: str, traces: dict, traced_s: float, gpu_gib) -> str:
-    traced = [
-        f"{form.name}{' checkpointed' if ck else ''}"
-        for (form, ck), t in traces.items()
-        if isinstance(t, Traced)
-    ]
     untraced = [t for t in traces.values() if not isinstance(t, Traced)]
     text = (
         f"{model.description}; {precision}, accumulation {experiment.gradient_accumulation_steps}. "
         f"Activations: one training step traced on the meta device as a GPU runs it "
-        f"({', '.join(traced) or 'none'}; {traced_s:.1f} s)"
+        f"({traced_names(traces) or 'none'}; {traced_s:.1f} s)"
     )
     if untraced:
         text += f"; not traced: {untraced[0]} (give --calibration DIR of a sweep of this model)"
@@ -189,7 +187,7 @@ def _band_head(rows: list[dict], gpu: Optional[str], gpu_gib: Optional[float]) -
     return text
 
 
-def grid_overrides(workers, stages, backend, precision, micro_batch_size) -> list[str]:
+def grid_overrides(workers, stages, backend, precision, micro_batch_size, seq_len=None) -> list[str]:
     """estimate's keyword arguments as the `--set` items of the keys they narrow."""
     keys = {
         "grid.num_workers": workers,
@@ -198,6 +196,7 @@ def grid_overrides(workers, stages, backend, precision, micro_batch_size) -> lis
         "grid.micro_batch_size": [micro_batch_size]
         if isinstance(micro_batch_size, int)
         else micro_batch_size,
+        "grid.seq_len": [seq_len] if isinstance(seq_len, int) else seq_len,
         "precision": precision,
     }
     return [

@@ -27,6 +27,9 @@ FITS = Series(
 """A probe that fitted: its measured peak."""
 
 
+SEQ_LEN_TARGET = "A search of the longest sequence (fit --target seq_len): the fit table says what was found."
+
+
 class FitFigures(Figures):
     """A fit's two figures (`fit_probes`, `fit_maxima`)."""
 
@@ -53,6 +56,9 @@ class FitFigures(Figures):
         )
         if probes.empty or len(probes) < 2:
             figure.skipped = "Fewer than two probes: nothing to draw; the fit table says what was found."
+            return figure
+        if "max_micro_batch" not in sweep.fit:  # fit --target seq_len: drawn against micro-batches only
+            figure.skipped = SEQ_LEN_TARGET
             return figure
         fig, facets = self._facets(probes, "micro_batch_size")
         titles: dict[str, str] = {}
@@ -129,6 +135,9 @@ class FitFigures(Figures):
             ),
             "fit-maxima",
         )
+        if "max_micro_batch" not in fit:
+            figure.skipped = SEQ_LEN_TARGET
+            return figure
         found = fit[fit["max_micro_batch"].notna()]
         if len(found) < (1 if even_one else 2):
             figure.skipped = (

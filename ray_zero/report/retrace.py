@@ -20,7 +20,8 @@ def retraced(rows: list[dict[str, Any]], experiment: dict[str, Any], source: str
     loaded = model_experiment(experiment, source)
     points = {
         (row["precision"], Point(row["backend"], row["stage"], row["micro_batch_size"], row["num_workers"],
-                                 bool(row["activation_checkpointing"]), row["offload_optimizer"]))
+                                 bool(row["activation_checkpointing"]), row["offload_optimizer"],
+                                 row.get("seq_len")))
         for row in gpu
     }  # fmt: skip
     traces = {
@@ -32,7 +33,9 @@ def retraced(rows: list[dict[str, Any]], experiment: dict[str, Any], source: str
     for row in rows:
         if row.get("memory_kind") == "cuda":
             full = {**EARLIER_DEFAULTS, **row}
-            key = trace_key(full["backend"], full["precision"], full["activation_checkpointing"])
+            key = trace_key(
+                full["backend"], full["precision"], full["activation_checkpointing"], full.get("seq_len")
+            )
             row = {**row, **traced_fields(full, traces[full["precision"]][key], accumulation)}
         out.append(row)
     return out

@@ -1,5 +1,7 @@
 """`python -m ray_zero fit`: the largest micro-batch that fits, for every (engine, stage, workers) of the
-grid, and the fastest of them exported as the config to train with.
+grid (and seq_len, on a seq_len axis), and the fastest of them exported as the config to train with; or,
+with `--target seq_len`, the longest sequence that fits at each micro-batch of the grid, by the same
+search and the same confirmation (the first guess predicted from a step traced at each length tried).
 
 One search (ray_zero/measure/search.py) per point, all its probes inside one Ray Train run (run/
 search_trial.py drives it from a thread of this process; train/probing.py runs it on the ranks): the
@@ -15,6 +17,7 @@ deepspeed.initialize), best_config.json, best_experiment.yaml + best_command.txt
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -25,43 +28,71 @@ import ray
 from ray_zero.config import Experiment, Point, is_calibration
 from ray_zero.console import log
 from ray_zero.measure import calibration
-from ray_zero.measure.search import FitSettings, Steps
+from ray_zero.measure.search import TARGETS, FitSettings, Steps, largest_predicted_to_fit
 from ray_zero.report.frame import markdown_table
 from ray_zero.rows import one_line_reason, trial_row
 from ray_zero.run.fit_tables import key_of_row, keys_of, write_fit
 from ray_zero.run.recorder import Recorder
-from ray_zero.run.search_trial import SearchState, drive_searches
+from ray_zero.run.search_trial import SearchState, at_its_length, drive_searches
 from ray_zero.run.session import Session
 from ray_zero.run.sweep import SweepIncomplete
 from ray_zero.store import load_trials
+from ray_zero.train.grid_trace import trace_grid
 from ray_zero.train.probing import SearchSpec, calibration_probes
 
 PROBE_STEPS = 3
 """Steps of a probe (1 of warm-up): the peak comes with the first optimizer steps."""
 
 
-def _searches(session: Session, budget: float, steps: Steps, rows: list[dict]) -> list[SearchSpec]:
+def _searches(
+    session: Session, budget: float, steps: Steps, rows: list[dict], target: str = "micro_batch"
+) -> list[SearchSpec]:
     """One search per (engine, stage, workers, ...) point, with the probes a resumed fit already ran; a
     search that is done (its answer timed, or nothing left to probe) is left out."""
     probe_steps = min(PROBE_STEPS, session.experiment.steps or PROBE_STEPS)
     probe = session.experiment.probe(probe_steps)
     # The probes' own rates serve when the experiment is no longer than a probe; else each answer is timed.
     timed = session.experiment if (session.experiment.steps or 10**9) > probe_steps else None
+    field = TARGETS[target]
     searches = []
-    for key in keys_of(session):
-        spec = session.spec(key.replace(micro_batch_size=steps.smallest), probe)
+    for key in keys_of(session, target):
+        spec = session.spec(key.replace(**{field: steps.smallest}), probe)
         traced = spec.activations is not None and not isinstance(spec.activations, str)
         untraced = set() if traced else {(key.backend, key.activation_checkpointing)}
-        calibrate = bool(
+        # A length's calibration would serve that length only: a seq_len search predicts from traces alone.
+        calibrate = target == "micro_batch" and bool(
             calibration.engines_to_calibrate(session.experiment, session.plan.use_gpu, untraced)
         )
-        state = SearchState(SearchSpec(spec, budget, steps, timed, calibrate))
+        peaks = predicted_lengths(spec, budget, steps) if target == "seq_len" and spec.use_gpu else ()
+        search = SearchSpec(spec, budget, steps, timed, calibrate, target=target, predicted_peaks=peaks)
+        state = SearchState(search)
         for row in rows:
-            if key_of_row(row) == key:
+            if key_of_row(row, target) == key:
                 state.add(row)
         if state.in_flight() is not None:
             searches.append(state.for_next_run())
     return searches
+
+
+def predicted_lengths(spec, budget: float, steps: Steps) -> tuple[tuple[int, float], ...]:
+    """fit --target seq_len on a GPU: the peak (GiB) predicted at each length the first guess needs
+    (largest_predicted_to_fit's doubling and bisection) and the length after it (the confirmation's),
+    each from the point's step traced on the meta device at that length. Lengths not traced are left out."""
+    peaks: dict[int, Optional[float]] = {}
+
+    def predicted(length: int) -> Optional[float]:
+        if length not in peaks:
+            point = spec.point.replace(seq_len=length)
+            source = spec.experiment.model_source(point)
+            traced = next(iter(trace_grid(source, [point], spec.precision).values()))
+            at = at_its_length(dataclasses.replace(spec, point=point, activations=traced))
+            peaks[length] = trial_row(at).get("predicted_peak_gib")
+        return peaks[length]
+
+    guess = largest_predicted_to_fit(predicted, budget, steps)
+    if guess is not None and steps.up(guess) <= steps.largest:
+        predicted(steps.up(guess))
+    return tuple((length, peak) for length, peak in sorted(peaks.items()) if peak is not None)
 
 
 def run_fit(
@@ -77,17 +108,18 @@ def run_fit(
     fits_checked: bool = False,
 ):
     """Search, time, write the fit tables and the best configs; return the results table."""
-    sizes = experiment.grid.micro_batch_size
     session = Session(
         experiment, model, output_dir, address, command, resume, diagnostics, verbose, fits_checked
     )
+    target = settings.target
     with session:
         budget = settings.budget(session.plan.use_gpu, session.cluster.gpu_memory_gib)
-        largest = min(settings.max_micro_batch, max(sizes)) if len(sizes) > 1 else settings.max_micro_batch
-        steps = Steps(settings.granularity, largest)
-        searches = _searches(session, budget, steps, load_trials(session.output_dir) if resume else [])
+        steps = settings.steps(experiment.grid.micro_batch_size, getattr(model, "max_positions", None))
+        rows = load_trials(session.output_dir) if resume else []
+        searches = _searches(session, budget, steps, rows, target)
+        what = "longest sequence" if target == "seq_len" else "largest micro-batch"
         log.info(
-            f"fit: {len(searches)} searches for the largest micro-batch within {budget:.2f} GiB per rank on "
+            f"fit: {len(searches)} searches for the {what} within {budget:.2f} GiB per rank on "
             f"{'GPU' if session.plan.use_gpu else 'CPU'}, {session.plan.precision}, each in one Ray Train "
             f"run; results in {session.output_dir}"
         )
@@ -105,8 +137,8 @@ def run_fit(
             run_searches(session, searches, recorder)
         frame = session.finish(pages=False)  # write_fit draws the pages, with the fit's section
         rows = load_trials(session.output_dir)
-        fit_table = write_fit(session, rows, budget, steps, frame)
-        if _searches(session, budget, steps, rows):
+        fit_table = write_fit(session, rows, budget, steps, frame, target)
+        if _searches(session, budget, steps, rows, target):
             raise SweepIncomplete(len(frame), len(frame) + 1)
         log.debug("fit:\n" + markdown_table(fit_table, list(fit_table.columns)))
         return frame

@@ -11,7 +11,7 @@ import pandas as pd
 import yaml
 
 from ray_zero.config import Point
-from ray_zero.measure.search import BracketSearch, Steps
+from ray_zero.measure.search import TARGETS, BracketSearch, Steps
 from ray_zero.report.frame import markdown_table
 from ray_zero.report.tables import write_pages
 from ray_zero.run.search_trial import is_probe, recorded
@@ -19,49 +19,62 @@ from ray_zero.run.session import Session
 from ray_zero.store import atomic_write, publish
 
 
-def key_of_point(point: Point) -> Point:
-    return point.replace(micro_batch_size=0)
+def key_of_point(point: Point, target: str = "micro_batch") -> Point:
+    """A search's key: its point with the searched value (micro-batch, or seq_len) zeroed."""
+    return point.replace(**{TARGETS[target]: 0})
 
 
-def key_of_row(row: dict[str, Any]) -> Point:
-    return Point(
+def key_of_row(row: dict[str, Any], target: str = "micro_batch") -> Point:
+    point = Point(
         row["backend"],
         row["stage"],
-        0,
+        row["micro_batch_size"],
         row["num_workers"],
         bool(row["activation_checkpointing"]),
         row["offload_optimizer"],
+        row.get("seq_len"),
     )
+    return key_of_point(point, target)
 
 
-def keys_of(session: Session) -> list[Point]:
-    return list(dict.fromkeys(key_of_point(p) for p in session.plan.runnable))
+def keys_of(session: Session, target: str = "micro_batch") -> list[Point]:
+    return list(dict.fromkeys(key_of_point(p, target) for p in session.plan.runnable))
 
 
-def _search_of(rows: list[dict], budget: float, steps: Steps) -> BracketSearch:
+def _search_of(rows: list[dict], budget: float, steps: Steps, field: str) -> BracketSearch:
     found = BracketSearch(budget, steps)
     for row in rows:
-        probe = recorded(row)
+        probe = recorded(row, field)
         found.record(probe.micro_batch_size, probe.status, probe.peak_gib, probe.per_sample_gib, probe.error)
     return found
 
 
 def write_fit(
-    session: Session, rows: list[dict], budget: float, steps: Steps, results: pd.DataFrame
+    session: Session,
+    rows: list[dict],
+    budget: float,
+    steps: Steps,
+    results: pd.DataFrame,
+    target: str = "micro_batch",
 ) -> pd.DataFrame:
-    """fit.csv, fit.md, the best configs, report.html and its figure files; the fit table."""
+    """fit.csv, fit.md, the best configs, report.html and its figure files; the fit table: per setting the
+    largest micro-batch (max_micro_batch; at each seq_len of an axis) or, with target seq_len, the longest
+    sequence at its micro-batch (max_seq_len)."""
     by_name = {row["trial"]: row for row in rows}
+    field = TARGETS[target]
+    axis = target == "micro_batch" and len(session.experiment.seq_lens()) > 1
     table = []
-    for key in keys_of(session):
-        mine = [r for r in rows if key_of_row(r) == key]
+    for key in keys_of(session, target):
+        mine = [r for r in rows if key_of_row(r, target) == key]
         probes = [r for r in mine if is_probe(r)]
-        search = _search_of(probes, budget, steps)
+        search = _search_of(probes, budget, steps, field)
         answer = search.answer
-        timed = by_name.get(key.replace(micro_batch_size=answer).name + "_timed") if answer else None
-        probe = by_name.get(key.replace(micro_batch_size=answer).name) if answer else None
+        timed = by_name.get(key.replace(**{field: answer}).name + "_timed") if answer else None
+        probe = by_name.get(key.replace(**{field: answer}).name) if answer else None
         guesses = [r.get("first_guess") for r in probes if r.get("first_guess") is not None]
         searched = [r for r in mine if not r["trial"].endswith("_timed")]
         started = min((r.get("search_started_at") or r["recorded_at"] for r in mine), default=None)
+        smallest = "sequence" if target == "seq_len" else "micro-batch"
         table.append(
             {
                 "backend": key.backend,
@@ -69,7 +82,9 @@ def write_fit(
                 "num_workers": key.num_workers,
                 "activation_checkpointing": key.activation_checkpointing,
                 "offload_optimizer": key.offload_optimizer,
-                "max_micro_batch": answer,
+                **({"seq_len": key.seq_len} if axis else {}),
+                **({"micro_batch_size": key.micro_batch_size} if target == "seq_len" else {}),
+                f"max_{target}": answer,
                 "peak_gib": (probe or {}).get("peak_allocated_gib_max"),
                 "budget_gib": budget,
                 "predicted_max": guesses[0] if guesses else None,
@@ -77,7 +92,7 @@ def write_fit(
                 "probes": len(search.probes) + (1 if search.stopped else 0),
                 "runs": len({r.get("run") for r in mine if r.get("run")}),
                 "search_s": max(r["recorded_at"] for r in searched) - started if searched else None,
-                "note": search.stopped or ("" if answer else "does not fit at the smallest micro-batch"),
+                "note": search.stopped or ("" if answer else f"does not fit at the smallest {smallest}"),
                 "timed_trial": (timed or probe or {}).get("trial"),
             }
         )
@@ -114,13 +129,13 @@ def write_fit(
             else ""
         ),
     )
-    _write_best(session, frame, by_name)
+    _write_best(session, frame, by_name, target)
     write_pages(out, results)  # the page and its figure files, fit.png with them
     publish(out, session.storage)
     return frame.drop(columns=["timed_trial"])
 
 
-def _write_best(session: Session, frame: pd.DataFrame, rows: dict[str, dict]) -> None:
+def _write_best(session: Session, frame: pd.DataFrame, rows: dict[str, dict], target: str) -> None:
     """The fastest fitting point's engine config, key for key what its rank 0 was built with, and the
     one-point sweep that reruns it."""
     fitting = frame[frame["samples_per_s"].notna()]
@@ -141,13 +156,18 @@ def _write_best(session: Session, frame: pd.DataFrame, rows: dict[str, dict]) ->
             ),
         )
     winner = fitting.sort_values("samples_per_s", ascending=False).iloc[0]
+    # The winner's point: its answer in the searched field, the rest as its search had them.
+    micro = int(winner["micro_batch_size" if target == "seq_len" else "max_micro_batch"])
+    seq_len = winner.get("max_seq_len" if target == "seq_len" else "seq_len")
+    lengths = {"seq_len": int(seq_len)} if seq_len is not None and pd.notna(seq_len) else {}
     atomic_write(
         out / "best_config.json",
         json.dumps(
             {
                 "backend": winner["backend"],
                 "stage": int(winner["stage"]),
-                "micro_batch_size": int(winner["max_micro_batch"]),
+                "micro_batch_size": micro,
+                **lengths,
                 "num_workers": int(winner["num_workers"]),
                 "activation_checkpointing": bool(winner["activation_checkpointing"]),
                 "offload_optimizer": winner["offload_optimizer"],
@@ -160,7 +180,7 @@ def _write_best(session: Session, frame: pd.DataFrame, rows: dict[str, dict]) ->
     point = {
         "backend": [winner["backend"]],
         "stage": [int(winner["stage"])],
-        "micro_batch_size": [int(winner["max_micro_batch"])],
+        "micro_batch_size": [micro],
         "num_workers": [int(winner["num_workers"])],
         "activation_checkpointing": [bool(winner["activation_checkpointing"])],
         "offload_optimizer": [winner["offload_optimizer"]],
@@ -168,6 +188,7 @@ def _write_best(session: Session, frame: pd.DataFrame, rows: dict[str, dict]) ->
     experiment = session.experiment.model_dump(mode="json") | {
         "name": f"{session.experiment.name}_best",
         "grid": point,
+        **lengths,
     }
     atomic_write(out / "best_experiment.yaml", yaml.safe_dump(experiment, sort_keys=False))
     atomic_write(out / "best_command.txt", f"python -m ray_zero sweep {out / 'best_experiment.yaml'}\n")

@@ -37,7 +37,8 @@ def flat_config(config: dict[str, Any]) -> dict[str, Any]:
     spec = (config.get("trial") or {}).get("spec") if isinstance(config.get("trial"), dict) else None
     if spec is None or not hasattr(spec, "point"):
         return {k: v for k, v in config.items() if isinstance(v, (str, int, float, bool))}
-    return {"trial": spec.name, **spec.point.fields(), "precision": spec.precision}
+    point = {k: v for k, v in spec.point.fields().items() if v is not None}  # seq_len: on an axis only
+    return {"trial": spec.name, **point, "precision": spec.precision}
 
 
 class _FlatTrial:

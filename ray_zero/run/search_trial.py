@@ -70,15 +70,16 @@ def search_loop(config: dict[str, Any]) -> None:
     run_searches(searches, rank, world_size, device, report, attempt=attempt)
 
 
-def recorded(row: dict[str, Any]) -> RecordedProbe:
-    """A probe row as the search records it: the largest peak over ranks, activations per sample."""
-    micro = row["micro_batch_size"]
+def recorded(row: dict[str, Any], field: str = "micro_batch_size") -> RecordedProbe:
+    """A probe row as the search records it: the value searched (`field`: micro_batch_size or seq_len),
+    the largest peak over ranks, activations per sample (or per token)."""
+    value = row[field]
     rise = row.get("micro_batch_rise_bytes_per_rank_max") or row.get("saved_for_backward_bytes_per_rank_max")
     return RecordedProbe(
-        micro,
+        value,
         row["status"],
         row.get("peak_allocated_gib_max"),
-        rise / GIB / micro if rise and micro else None,
+        rise / GIB / value if rise and value else None,
         row.get("error") or "",
     )
 
@@ -102,7 +103,8 @@ class SearchState:
     def for_next_run(self) -> SearchSpec:
         """The search with what its rows measured: probes done, calibration once all its probes have rows."""
         search = dataclasses.replace(
-            self.search, done=self.search.done + tuple(recorded(r) for r in self.rows if is_probe(r))
+            self.search,
+            done=self.search.done + tuple(recorded(r, self.search.field) for r in self.rows if is_probe(r)),
         )
         if search.needs_calibration():
             calibrating = [r for r in self.rows if is_calibration(r["trial"])]
@@ -115,8 +117,8 @@ class SearchState:
         return search
 
     def in_flight(self) -> Optional[tuple[int, str]]:
-        """(micro-batch, label) of the next probe the search would run: the one a run that ended early
-        was on. None: the search is done."""
+        """(value, label) of the next probe the search would run (a micro-batch, or a seq_len): the one a
+        run that ended early was on. None: the search is done."""
         if self.ended:
             return None
         search = self.for_next_run()
@@ -140,14 +142,33 @@ class SearchState:
         return None
 
 
-def _spec(search: SearchSpec, micro: int, label: str):
-    return search.at(micro, search.timed if label == "timed" else None, label)
+def _spec(search: SearchSpec, value: int, label: str):
+    return at_its_length(search.at(value, search.timed if label == "timed" else None, label))
+
+
+_DESCRIBED: dict[str, Any] = {}
+"""The model described at each length fit --target seq_len probed (models.describe.ModelInfo)."""
+
+
+def at_its_length(spec):
+    """The spec with its model described at the point's own seq_len (its FLOPs, sample bytes and seq_len,
+    which its row records), once per length: fit --target seq_len probes lengths no grid named."""
+    length = spec.point.seq_len
+    if length is None or length in spec.model.by_seq_len:
+        return spec
+    from ray_zero.models.describe import describe_model
+
+    key = repr(spec.model_source())
+    if key not in _DESCRIBED:
+        _DESCRIBED[key] = describe_model(spec.model_source())
+    model = dataclasses.replace(spec.model, by_seq_len={**spec.model.by_seq_len, length: _DESCRIBED[key]})
+    return dataclasses.replace(spec, model=model)
 
 
 def _row(search: SearchSpec, ranks: list[dict[str, Any]], started_at: float) -> dict[str, Any]:
     """A probe's results row from all ranks' reports of it."""
     first = ranks[0]
-    spec = _spec(search, first["micro_batch_size"], first.get("label") or "")
+    spec = _spec(search, first[search.field], first.get("label") or "")
     row = trial_row(spec)
     row.update(aggregate_ranks(ranks))
     oom = [r for r in ranks if r.get("probe_status") == "oom"]

@@ -241,7 +241,7 @@ class Session:
     def spec(self, point: Point, experiment: Optional[Experiment] = None) -> TrialSpec:
         from ray_zero.train.grid_trace import trace_key
 
-        key = trace_key(point.backend, self.plan.precision, point.activation_checkpointing)
+        key = trace_key(point.backend, self.plan.precision, point.activation_checkpointing, point.seq_len)
         return TrialSpec(
             experiment or self.experiment,
             point,

@@ -20,7 +20,7 @@ from ray_zero.console import log
 from ray_zero.measure import calibration
 from ray_zero.measure.calibration import read_calibration
 from ray_zero.measure.prediction import GIB
-from ray_zero.models.describe import describe_model
+from ray_zero.models.describe import describe_lengths
 from ray_zero.rows import trial_row
 from ray_zero.run.gpu_sharing import Sharing, gpu_shares, memory_need, trials_per_gpu
 from ray_zero.run.session import Session
@@ -118,7 +118,7 @@ def run_sweep(experiment: Experiment, output_dir: Path, model=None, **session_op
     (address, command, resume, diagnostics, verbose, fits_checked: the model was checked against this
     machine before a private Ray, by ray_zero.api, and is not checked again)."""
     if model is None:
-        model = describe_model(experiment.model_source())
+        model = describe_lengths(experiment.model_source(), experiment.grid.seq_len)
     session = Session(experiment, model, output_dir, **session_options)
     with session:
         plan = session.plan

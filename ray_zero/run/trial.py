@@ -87,7 +87,8 @@ def train_loop(config: dict[str, Any]) -> None:
         diagnostics = Diagnostics()
         diagnostics.figures["node_id"] = ray.get_runtime_context().get_node_id()
     device = ray.train.torch.get_device() if spec.use_gpu else torch.device("cpu")
-    tags = {"trial": spec.name, **{k: str(v) for k, v in spec.point.fields().items()}, "rank": str(rank)}
+    point = {k: str(v) for k, v in spec.point.fields().items() if v is not None}  # seq_len: on an axis
+    tags = {"trial": spec.name, **point, "rank": str(rank)}
     # Ray prefixes application metrics with "ray_": the dashboard and Prometheus show ray_zero_loss etc.
     gauges = {
         name: Gauge(f"zero_{name}", description=text, tag_keys=tuple(tags))

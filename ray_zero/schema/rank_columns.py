@@ -91,6 +91,7 @@ RANK = Registry(
         # a fit probe's own
         column("probe_status", str, "", R, "fit: ok or oom"),
         column("micro_batch_size", int, "", R, "fit: the probe's micro-batch"),
+        column("seq_len", int, "tokens", R, "fit: the probe's seq_len (a seq_len axis, or fit --target seq_len)"),
         column("label", str, "", R, "fit: calibration, timed, or the search's probe"),
         column("first_guess", int, "", R, "fit: the micro-batch the search started from"),
         column("left_bytes", int, "bytes", R, "fit: memory in use after the probe's teardown above before it"),

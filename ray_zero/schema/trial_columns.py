@@ -27,13 +27,14 @@ def _extremes(rank_name: str, unit: str, text: str, tier_of_max: str = R) -> lis
 
 TRIAL = Registry(
     [
-        column("trial", str, "", T, "the point's name: stage1_mb64_w2, fsdp_stage3_mb8_w2_ac (_ac: activation checkpointing, _offloadcpu: optimizer offload, _calibration / _timed: a calibration or fit timing trial)", heading="trial", hint="the trial's name: its grid point", views={PAGE, MD, CONSOLE}, place=0),
+        column("trial", str, "", T, "the point's name: stage1_mb64_w2, fsdp_stage3_mb8_w2_ac (_ac: activation checkpointing, _offloadcpu: optimizer offload, _s512: seq_len on a seq_len axis, _calibration / _timed: a calibration or fit timing trial)", heading="trial", hint="the trial's name: its grid point", views={PAGE, MD, CONSOLE}, place=0),
         column("backend", str, "", T, "deepspeed (ZeRO stages 0-3), torch_zero (0: DDP, 1: DDP + ZeroRedundancyOptimizer), fsdp (FSDP2; 2: parameters stay gathered from forward to backward, 3: resharded after forward)", heading="backend", hint="deepspeed, torch_zero (DDP + ZeroRedundancyOptimizer) or fsdp (FSDP2)", views={PAGE}, place=1),
         column("stage", int, "", T, "ZeRO stage: what is partitioned across ranks", heading="stage", hint="ZeRO stage", views={PAGE}, place=2),
         column("micro_batch_size", int, "", T, "samples per rank per forward and backward", heading="micro-batch", hint="samples per rank per step", views={PAGE}, place=3),
         column("num_workers", int, "", T, "data-parallel ranks", heading="workers", hint="data-parallel ranks", views={PAGE}, place=4),
         column("activation_checkpointing", bool, "", T, "each block's activations recomputed in backward", heading="ckpt", hint="activation checkpointing", views={PAGE}, place=5),
         column("offload_optimizer", str, "", T, "cpu: DeepSpeed keeps the fp32 master and Adam's states in host memory and steps them there", heading="offload", hint="where the optimizer's states live", views={PAGE}, place=6),
+        column("seq_len", int, "tokens", T, "tokens per sample on a seq_len axis (grid.seq_len; the trial's name ends _s512); blank: the experiment's one seq_len", heading="seq_len", hint="tokens per sample (a seq_len axis)", views={PAGE}, place=6),
         column("precision", str, "", T, "fp16 / bf16 (mixed precision; GPU) or fp32", heading="precision", hint="training precision", views={PAGE, MD}, place=7),
         column("model", str, "", T, "the model source", heading="model", hint="model", views={PAGE}, place=8),
         column("params", int, "parameters", T, "its parameter count (on the meta device, before Ray starts)", heading="params", hint="parameters", views={PAGE}, place=9),

@@ -1,14 +1,15 @@
-"""A grid's traced activations, made once before any run: for each engine form and checkpointing setting
-of the grid, one traced step (ray_zero/train/step_trace.py) at each of its micro-batches, and one at
-twice the largest (the slope beyond them, for fit's searches).
+"""A grid's traced activations, made once before any run: for each engine form, checkpointing setting and
+sequence length of the grid, one traced step (ray_zero/train/step_trace.py) at each of its micro-batches,
+and one at twice the largest (the slope beyond them, for fit's searches).
 
-`trace_grid` returns, per (form, checkpointing), a `Traced` (exact at a traced micro-batch, a line
+`trace_grid` returns, per (form, checkpointing, seq_len), a `Traced` (exact at a traced micro-batch, a line
 through the two nearest traced sizes elsewhere) or, where the model's step cannot be traced, the reason
 in one line: those points fall back to calibration. torch only: no Ray, no DeepSpeed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Iterable, Optional, Union
@@ -63,26 +64,30 @@ class Traced:
 
 Outcome = Union[Traced, str]
 """A form's traces, or why its step could not be traced."""
+Key = tuple[Form, bool, Optional[int]]
 
 
-def trace_key(backend: str, precision: str, checkpointing: bool) -> tuple[Form, bool]:
-    """Points that run the module alike share their traces: the engine's module form and checkpointing."""
-    return module_form(backend, precision), bool(checkpointing)
+def trace_key(backend: str, precision: str, checkpointing: bool, seq_len: Optional[int] = None) -> Key:
+    """Points that run the module alike share their traces: the engine's module form, checkpointing and the
+    point's seq_len (None: the experiment's; every length is a step of its own)."""
+    return module_form(backend, precision), bool(checkpointing), seq_len
 
 
 def trace_grid(
     source: ModelSource, points: Iterable, precision: str, extra_sizes: Iterable[int] = ()
-) -> dict[tuple[Form, bool], Outcome]:
-    """Trace every (form, checkpointing) of `points` (config.Point) at `precision` (resolved: fp16, bf16
-    or fp32), at the points' micro-batches, twice the largest, and `extra_sizes`."""
-    sizes: dict[tuple[Form, bool], set[int]] = {}
+) -> dict[Key, Outcome]:
+    """Trace every (form, checkpointing, seq_len) of `points` (config.Point) at `precision` (resolved:
+    fp16, bf16 or fp32), at the points' micro-batches, twice the largest, and `extra_sizes`."""
+    sizes: dict[Key, set[int]] = {}
     for point in points:
-        key = trace_key(point.backend, precision, point.activation_checkpointing)
+        seq_len = getattr(point, "seq_len", None)
+        key = trace_key(point.backend, precision, point.activation_checkpointing, seq_len)
         sizes.setdefault(key, set()).add(point.micro_batch_size)
-    outcomes: dict[tuple[Form, bool], Outcome] = {}
-    for (form, checkpointing), wanted in sizes.items():
+    outcomes: dict[Key, Outcome] = {}
+    for (form, checkpointing, seq_len), wanted in sizes.items():
         wanted |= {2 * max(wanted), *extra_sizes}
-        outcomes[(form, checkpointing)] = _trace_form(source, form, checkpointing, sorted(wanted))
+        at = source if seq_len is None else dataclasses.replace(source, seq_len=seq_len)
+        outcomes[(form, checkpointing, seq_len)] = _trace_form(at, form, checkpointing, sorted(wanted))
     return outcomes
 
 
@@ -101,11 +106,19 @@ def _trace_form(source: ModelSource, form: Form, checkpointing: bool, sizes: lis
         return f"its training step does not run on the meta device: {one_line(error)}"
 
 
-def describe_outcomes(outcomes: dict[tuple[Form, bool], Outcome], started: float) -> str:
+def traced_names(outcomes: dict[Key, Outcome]) -> str:
+    """What was traced, in words: "deepspeed, deepspeed checkpointed" (", seq_len 128" on an axis)."""
+    return ", ".join(
+        f"{form.name}{' checkpointed' if ck else ''}{f' seq_len {n}' if n is not None else ''}"
+        for (form, ck, n), v in outcomes.items()
+        if isinstance(v, Traced)
+    )
+
+
+def describe_outcomes(outcomes: dict[Key, Outcome], started: float) -> str:
     """The console's line: what was traced, how long it took, and what could not be."""
-    traced = [k for k, v in outcomes.items() if isinstance(v, Traced)]
     failed = {k: v for k, v in outcomes.items() if not isinstance(v, Traced)}
-    parts = ", ".join(f"{form.name}{' checkpointed' if ck else ''}" for form, ck in traced) or "none"
+    parts = traced_names(outcomes) or "none"
     text = f"activations traced on the meta device ({parts}; {time.time() - started:.1f} s)"
     if failed:
         reason = next(iter(failed.values()))

@@ -37,8 +37,9 @@ from ray_zero.config import Experiment, TrialSpec
 from ray_zero.measure import calibration
 from ray_zero.measure.memory_model import predict_point
 from ray_zero.measure.prediction import GIB
-from ray_zero.measure.search import BracketSearch, Steps, largest_predicted_to_fit
+from ray_zero.measure.search import TARGETS, BracketSearch, Steps, largest_predicted_to_fit
 from ray_zero.models.describe import build_model_spec
+from ray_zero.models.source import ModelSource
 from ray_zero.models.spec import ModelSpec, copied
 from ray_zero.rows import trial_row
 from ray_zero.train.worker import TrialOutOfMemory, train
@@ -55,6 +56,7 @@ class RecordedProbe:
     """A probe the search has already measured (in an earlier run of the same search)."""
 
     micro_batch_size: int
+    """The value probed: a micro-batch, or a seq_len with fit --target seq_len."""
     status: str
     peak_gib: Optional[float]
     per_sample_gib: Optional[float] = None
@@ -66,7 +68,7 @@ class SearchSpec:
     """One search of `fit`, as its ranks get it."""
 
     spec: TrialSpec
-    """The search's point (its micro_batch_size a placeholder) with the probes' short experiment."""
+    """The search's point (its searched field a placeholder) with the probes' short experiment."""
     budget_gib: float
     steps: Steps
     timed: Optional[Experiment] = None
@@ -78,17 +80,26 @@ class SearchSpec:
     calibration: Optional[dict] = None
     """An earlier run's calibration figures (`calibration.per_sample_bytes`; {}: measured, nothing found),
     so that they are not measured again; None: not measured yet."""
+    target: str = "micro_batch"
+    """What the search varies (measure.search.TARGETS): micro_batch, or seq_len at the point's micro-batch."""
+    predicted_peaks: tuple[tuple[int, float], ...] = ()
+    """target seq_len on a GPU: the peaks (GiB) the driver predicted from steps traced at each length it
+    tried (a length's step is its own trace, which the ranks do not make)."""
+
+    @property
+    def field(self) -> str:
+        return TARGETS[self.target]
 
     @property
     def name(self) -> str:
-        """The search's point without its micro-batch: stage1_w1, fsdp_stage3_w2_ac."""
+        """The search's point without its searched value: stage1_w1, fsdp_stage3_w2_ac (stage1_mb4_w1)."""
         point = self.spec.point
-        return point.name.replace(f"_mb{point.micro_batch_size}", "")
+        searched = f"_s{point.seq_len}" if self.target == "seq_len" else f"_mb{point.micro_batch_size}"
+        return point.name.replace(searched, "")
 
-    def at(
-        self, micro_batch_size: int, experiment: Optional[Experiment] = None, label: str = ""
-    ) -> TrialSpec:
-        point = self.spec.point.replace(micro_batch_size=micro_batch_size)
+    def at(self, value: int, experiment: Optional[Experiment] = None, label: str = "") -> TrialSpec:
+        """The spec of a probe at `value` (a micro-batch, or a seq_len)."""
+        point = self.spec.point.replace(**{self.field: value})
         return dataclasses.replace(
             self.spec, point=point, experiment=experiment or self.spec.experiment, label=label
         )
@@ -105,13 +116,20 @@ class SearchSpec:
     def needs_calibration(self) -> bool:
         return self.calibrate and self.calibration is None
 
-    def predicted_peak(self, micro: int) -> Optional[float]:
-        """The memory model's peak (GiB) at `micro` on a GPU: the point's traced step, else this search's
-        calibration, else the presets' shapes; None where it predicts none (CPU, or unknown)."""
+    def predicted_peak(self, value: int) -> Optional[float]:
+        """The memory model's peak (GiB) at `value` on a GPU: the point's traced step, else this search's
+        calibration, else the presets' shapes; None where it predicts none (CPU, or unknown). A seq_len:
+        the driver's prediction at that length, where it made one."""
         if not self.spec.use_gpu:
             return None
-        calibrated = {"bytes_per_sample": self.calibration} if self.calibration else None
-        peak = predict_point(trial_row(self.at(micro)), calibrated).peak_bytes
+        if self.target == "seq_len":
+            return dict(self.predicted_peaks).get(value)
+        calibrated = (
+            {"bytes_per_sample": self.calibration, "seq_len": self.spec.point.seq_len}
+            if self.calibration
+            else None
+        )
+        peak = predict_point(trial_row(self.at(value)), calibrated).peak_bytes
         return None if peak is None else peak / GIB
 
     def first_guess(self) -> Optional[int]:
@@ -161,16 +179,19 @@ class _Model:
     leftovers). On a GPU a pristine copy stays on the host and each probe trains a copy of it. On CPU,
     where the resident set is what is measured, a kept copy would count in every probe's peak (a fresh
     run holds one model, not two): the first probe trains the model built here, and each later one
-    builds it again, as a trial's rank does (seeded: the same weights)."""
+    builds it again, as a trial's rank does (seeded: the same weights). A probe at another seq_len than
+    the one built (a seq_len axis, or fit --target seq_len) builds its own: its batches differ."""
 
-    def __init__(self, experiment: Experiment, keep: bool):
+    def __init__(self, experiment: Experiment, keep: bool, source: Optional[ModelSource] = None):
         torch.manual_seed(experiment.seed)  # as worker.train seeds before it builds
-        self.built: Optional[ModelSpec] = build_model_spec(experiment.model_source())
+        self.source = source or experiment.model_source()
+        self.built: Optional[ModelSpec] = build_model_spec(self.source)
         self.keep = keep
 
-    def for_probe(self) -> Optional[ModelSpec]:
-        """A model for the next probe, or None: the rank builds it as a trial's rank does."""
-        if self.built is None:
+    def for_probe(self, source: Optional[ModelSource] = None) -> Optional[ModelSpec]:
+        """A model for the next probe (of `source`: the built one's by default), or None: the rank builds
+        it as a trial's rank does."""
+        if self.built is None or (source is not None and source != self.source):
             return None
         if not self.keep:
             model, self.built = self.built, None
@@ -194,12 +215,15 @@ class Prober:
         device: torch.device,
         attempt: int = 1,
         keep_model: Optional[bool] = None,
+        source: Optional[ModelSource] = None,
     ):
-        """keep_model: build the model once and train a copy of it in each probe (default: on a GPU)."""
+        """keep_model: build the model once and train a copy of it in each probe (default: on a GPU);
+        source: the model to build (default: the experiment's)."""
         self.rank, self.world_size, self.device, self.attempt = rank, world_size, device, attempt
         import ray_zero.train.engines  # noqa: F401  DeepSpeed's and the engines' imports: no probe's leftovers
 
-        self.model = _Model(experiment, device.type == "cuda" if keep_model is None else keep_model)
+        keep = device.type == "cuda" if keep_model is None else keep_model
+        self.model = _Model(experiment, keep, source)
         self.first_guess: Optional[int] = None
         """Written into every probe's result (where the search started)."""
 
@@ -217,7 +241,7 @@ class Prober:
                 self.world_size,
                 self.device,
                 attempt=self.attempt,
-                model=self.model.for_probe(),
+                model=self.model.for_probe(spec.model_source()),
             )
             result["probe_status"] = "ok"
         except TrialOutOfMemory as error:
@@ -229,6 +253,7 @@ class Prober:
         release(self.device)
         result.update(
             micro_batch_size=spec.point.micro_batch_size,
+            seq_len=spec.point.seq_len,
             label=spec.label,
             trial=spec.name,
             first_guess=self.first_guess,
@@ -253,7 +278,8 @@ def run_searches(
     in one process and from one model build: a run's start is paid once for them all. Each probe's
     result says its search (`search`: SearchSpec.name). Returns "done", or "leak" at the first search that
     must go on in a fresh run (it and those after it are left to that run)."""
-    prober = Prober(searches[0].spec.experiment, rank, world_size, device, attempt)
+    first = searches[0].spec
+    prober = Prober(first.experiment, rank, world_size, device, attempt, source=first.model_source())
     for search in searches:
         if run_search(search, rank, world_size, device, on_probe, attempt, prober) == "leak":
             return "leak"
@@ -272,7 +298,9 @@ def run_search(
     """Run `search` on this rank: calibration probes (if asked), the probes, the timed run. `on_probe(result)`
     gets each probe's measurements of this rank (`Prober.probe`); every rank calls it as often. Returns
     "done", or "leak": an out-of-memory probe left memory in use, and the search goes on in a fresh run."""
-    prober = prober or Prober(search.spec.experiment, rank, world_size, device, attempt)
+    prober = prober or Prober(
+        search.spec.experiment, rank, world_size, device, attempt, source=search.spec.model_source()
+    )
     prober.first_guess = None
 
     def probe(spec: TrialSpec) -> list[dict[str, Any]]:
@@ -292,16 +320,16 @@ def run_search(
             )
         found = search.search()
         prober.first_guess = found.first_guess
-        while (micro := found.next_probe()) is not None:
-            ranks = probe(search.at(micro))
+        while (value := found.next_probe()) is not None:
+            ranks = probe(search.at(value))
             status = "oom" if any(r["probe_status"] == "oom" for r in ranks) else "ok"
             rises = [r.get("micro_batch_rise_bytes") or r.get("saved_for_backward_bytes") for r in ranks]
             rise = max((x for x in rises if x), default=None)
             found.record(
-                micro,
+                value,
                 status,
                 max(r["peak_allocated_gib"] for r in ranks) if status == "ok" else None,
-                rise / GIB / micro if rise else None,
+                rise / GIB / value if rise else None,  # per sample, or per token
             )
         if found.answer is not None and search.timed is not None:
             probe(search.at(found.answer, search.timed, label="timed"))

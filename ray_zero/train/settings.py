@@ -40,6 +40,7 @@ class EngineSettings:
         """A trial's point and its experiment's sections, as every rank builds them."""
         e, point = spec.experiment, spec.point.fields()
         del point["num_workers"]  # the ranks torch.distributed has: world_size
+        del point["seq_len"]  # the batches' length: the model's (its make_batch), not the engine's
         return cls(
             **point,
             precision=spec.precision,

@@ -176,7 +176,7 @@ class _Run:
             # Built where it trains: a GPU initialises the weights in a fraction of the host's time, and
             # nothing is copied (the same shapes and initialisation; the device's random stream).
             with torch.device(self.device):
-                model = build_model_spec(experiment.model_source())
+                model = build_model_spec(spec.model_source())
         model.module.to(self.device)
         self.done("model_build", "model")
 
