@@ -195,6 +195,55 @@ def test_an_operator_without_a_meta_kernel_is_counted_on_the_cpu(factory, note, 
     assert note in info.description, info.description
 
 
+class RefusedDtypeOnMeta(nn.Module):
+    """A torch release's meta function refusing a dtype (torch 2.11 on a timm family: "unsupported
+    scalarType"), where a real device runs it; `extra` parameters make it too large to count on the CPU."""
+
+    def __init__(self, extra: int = 0, everywhere: bool = False):
+        super().__init__()
+        self.body = nn.Linear(8, CLASSES)
+        self.extra = nn.Parameter(torch.zeros(extra)) if extra else None
+        self.everywhere = everywhere
+
+    def forward(self, x):
+        if x.is_meta or self.everywhere:
+            raise RuntimeError("unsupported scalarType")
+        return self.body(x)
+
+
+def refused_dtype_small() -> nn.Module:
+    return RefusedDtypeOnMeta()
+
+
+def refused_dtype_large() -> nn.Module:
+    return RefusedDtypeOnMeta(extra=600_000_000)  # 2.2 GiB of fp32: above REAL_COUNT_LIMIT_BYTES
+
+
+def refused_everywhere() -> nn.Module:
+    return RefusedDtypeOnMeta(everywhere=True)
+
+
+def test_a_kernel_error_on_meta_is_counted_on_the_cpu_or_left_to_calibration_not_refused(monkeypatch):
+    # Issue 65 item 5: a count that fails on meta under the running torch is not a reason to refuse.
+    from conftest import ROOT
+
+    from ray_zero.models.describe import describe_model
+    from ray_zero.models.source import ModelError
+
+    monkeypatch.chdir(ROOT)
+    path = "tests/test_conformance_causes.py"
+    small = describe_model(f"{path}:refused_dtype_small", {}, None, [8], CLASSES)
+    reason = "(RuntimeError: unsupported scalarType on meta"
+    assert small.flops_per_sample > 0 and f"counted on a real CPU instance {reason})" in small.description
+    with torch.device("meta"):  # built on meta by describe_model: no 2.2 GiB held here
+        large = describe_model(f"{path}:refused_dtype_large", {}, None, [8], CLASSES)
+    assert large.params > 600_000_000 and large.flops_per_sample == 0.0
+    assert f"FLOPs and activations not counted {reason}" in large.description
+    # An error the CPU raises too is the model's: refused in one line.
+    with pytest.raises(ModelError, match="failed on the cpu device: .*unsupported scalarType"):
+        describe_model(f"{path}:refused_everywhere", {}, None, [8], CLASSES)
+
+
 class SharedBlock(nn.Module):
     """CoaT's pattern: blocks that hold one module in common beside their own weights."""
 

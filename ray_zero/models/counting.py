@@ -6,10 +6,12 @@ on meta either). Then describe_model falls back, and its description says which 
 
 - the model does not *build* on meta: it is built for real on the CPU (its parameters have to exist to
   be counted), and the FLOPs and saved bytes come from a real forward and backward of one batch there;
-- it builds but its forward or backward does not run on meta: the parameters are the meta count, and the
-  FLOPs and saved bytes come from a real instance on the CPU if its fp32 parameters take at most
-  REAL_COUNT_LIMIT_BYTES, else they are not counted (0 FLOPs, read as unknown: the rank reports no
-  TFLOP/s and no MFU; calibration then starts from 1 sample).
+- it builds but its forward or backward does not run on meta (an operator says so, or a torch kernel
+  raises: one release's meta function refused a dtype a later one takes): the parameters are the meta
+  count, and the FLOPs and saved bytes come from a real instance on the CPU if its fp32 parameters take
+  at most REAL_COUNT_LIMIT_BYTES (where it fails too, the model is refused with the CPU's error), else
+  they are not counted (0 FLOPs, read as unknown: the rank reports no TFLOP/s and no MFU; a GPU sweep
+  calibrates its activations, from 1 sample).
 
 torch only: no Ray, no DeepSpeed, no Transformers or timm here.
 """
@@ -97,12 +99,21 @@ def flops_not_counted(description: str) -> str:
     return "no FLOPs counted for this model"
 
 
+def _may_be_meta(error: BaseException) -> bool:
+    """Whether a failure on the meta device may be the device's rather than the model's: one that says so,
+    or any error torch's kernels raise (a meta function of one torch release refusing a dtype,
+    "unsupported scalarType"). The count on a real CPU instance (flops_and_saved) then tells which; a
+    model too large for it is counted there no further and calibrated on a GPU instead of refused."""
+    return no_meta_kernel(error) or type(error) in (RuntimeError, NotImplementedError)
+
+
 def _reason(error: BaseException) -> str:
     """ "aten::_unique2 has no meta kernel", or the error's first words."""
     text = str(error)
     operator = re.search(r"aten::[\w.]+", text)
     if operator:
         return f"{operator.group(0)} has no meta kernel"
+    text = text.split(" on the meta device: ", 1)[-1]  # count_one_sample's own words before the error's
     return text.split(" failed: ")[-1].split(" raised ")[-1][:100] + " on meta"
 
 
@@ -139,7 +150,7 @@ def count_one_sample(
         ):
             spec.loss(spec.module, batch).backward()
     except Exception as error:
-        kind = NoMetaKernel if device.type == "meta" and no_meta_kernel(error) else ModelError
+        kind = NoMetaKernel if device.type == "meta" and _may_be_meta(error) else ModelError
         raise kind(
             f"a forward and backward of one sample of {source} failed on the {device.type} device: "
             f"{one_line(error)}"
