@@ -124,9 +124,7 @@ def _point_row(spec) -> dict[str, Any]:
         "flops_per_sample": spec.model.flops_per_sample,
         "largest_block_params": spec.model.largest_block_params,
         "sample_bytes": getattr(spec.model, "sample_bytes", None),
-        "band_class": error_band.class_of(
-            getattr(spec.model, "kind", None), getattr(spec.model, "task", None)
-        ),
+        "band_class": error_band.class_of_info(spec.model),
         "gpu_share": spec.gpu_share if spec.use_gpu else None,
         **_held(spec.model, point),
         **_comm(spec),

@@ -13,6 +13,7 @@ import random
 
 import pytest
 
+from ray_zero.measure import error_band
 from ray_zero.measure.memory_model import predict_point
 from ray_zero.measure.prediction import GIB
 from ray_zero.measure.search import BracketSearch, Steps, largest_predicted_to_fit
@@ -283,8 +284,9 @@ def test_a_seq_len_searchs_first_guess_is_predicted_from_a_step_traced_at_each_l
     # A budget between the peaks at 256 and 512: bisection finds the longest length predicted within it.
     budget = (everywhere[256] + everywhere[512]) / 2
     peaks = dict(predicted_lengths(search.spec, budget, steps))
-    guess = max(n for n, peak in peaks.items() if peak <= budget)
-    assert 256 <= guess < 512 and steps.up(guess) in peaks and peaks[steps.up(guess)] > budget
+    band = error_band.band_for("Transformers text")  # the guess honours the band's upper end
+    guess = steps.down(max(n for n, peak in peaks.items() if band.high_gib(peak) <= budget))
+    assert 256 <= guess < 512 and steps.up(guess) in peaks and band.high_gib(peaks[steps.up(guess)]) > budget
     # The search starts there, and a first probe measured as predicted is confirmed as micro-batches are.
     search, _ = _seq_len_search(budget, predicted_peaks=tuple(peaks.items()))
     found = search.search()
@@ -293,6 +295,18 @@ def test_a_seq_len_searchs_first_guess_is_predicted_from_a_step_traced_at_each_l
     confirm = peaks[steps.up(guess)] <= budget * 1.05  # the next length predicted within 5 % of the budget
     assert found.next_probe() == (steps.up(guess) if confirm else None)
     assert search.at(guess).point.seq_len == guess and search.name == "stage1_mb16_w1"
+
+
+def test_the_first_guess_is_where_the_bands_upper_end_fits_not_the_bare_prediction():
+    # Issue 65: a budget that holds the predicted peak at 256 tokens but not its band's upper end.
+    from ray_zero.run.fit import predicted_lengths
+
+    search, steps = _seq_len_search(100.0)
+    peak = dict(predicted_lengths(search.spec, 100.0, steps))[256]
+    band = error_band.band_for("Transformers text")
+    budget = (peak + band.high_gib(peak)) / 2
+    search, _ = _seq_len_search(budget, predicted_peaks=predicted_lengths(search.spec, budget, steps))
+    assert band.upper > 0 and search.first_guess() < 256
 
 
 def test_fit_refuses_a_seq_len_target_it_cannot_search_in_one_line():

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from packaging.version import Version
 
@@ -58,6 +58,15 @@ class Band:
     def low_gib(self, peak_gib: float) -> float:
         return peak_gib * (1 + self.lower)
 
+    def over(self, predicted: Callable[[int], Optional[float]]) -> Callable[[int], Optional[float]]:
+        """`predicted` (a size to a peak in GiB, or None) at the band's upper end."""
+
+        def high(value: int) -> Optional[float]:
+            peak = predicted(value)
+            return None if peak is None else self.high_gib(peak)
+
+        return high
+
     def holds(self, ratio: float) -> bool:
         """Whether a measured/predicted ratio lies inside the band."""
         return 1 + self.lower <= ratio <= 1 + self.upper
@@ -80,6 +89,11 @@ def class_of(kind: Optional[str], task: Optional[str]) -> str:
     if kind == "hf":
         return CLASSES[1] if task in TEXT_TASKS else CLASSES[2]
     return ANY
+
+
+def class_of_info(model) -> str:
+    """class_of a model's description (models.describe.ModelInfo)."""
+    return class_of(getattr(model, "kind", None), getattr(model, "task", None))
 
 
 def class_of_model(model: str, task: Optional[str] = None) -> str:

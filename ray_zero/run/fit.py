@@ -27,7 +27,7 @@ import ray
 
 from ray_zero.config import Experiment, Point, is_calibration
 from ray_zero.console import log
-from ray_zero.measure import calibration
+from ray_zero.measure import calibration, error_band
 from ray_zero.measure.search import TARGETS, FitSettings, Steps, largest_predicted_to_fit
 from ray_zero.report.frame import markdown_table
 from ray_zero.rows import one_line_reason, trial_row
@@ -76,8 +76,9 @@ def _searches(
 
 def predicted_lengths(spec, budget: float, steps: Steps) -> tuple[tuple[int, float], ...]:
     """fit --target seq_len on a GPU: the peak (GiB) predicted at each length the first guess needs
-    (largest_predicted_to_fit's doubling and bisection) and the length after it (the confirmation's),
-    each from the point's step traced on the meta device at that length. Lengths not traced are left out."""
+    (largest_predicted_to_fit's doubling and bisection, at the error band's upper end) and the length
+    after it (the confirmation's), each from the point's step traced on the meta device at that length.
+    Lengths not traced are left out."""
     peaks: dict[int, Optional[float]] = {}
 
     def predicted(length: int) -> Optional[float]:
@@ -89,7 +90,8 @@ def predicted_lengths(spec, budget: float, steps: Steps) -> tuple[tuple[int, flo
             peaks[length] = trial_row(at).get("predicted_peak_gib")
         return peaks[length]
 
-    guess = largest_predicted_to_fit(predicted, budget, steps)
+    band = error_band.band_for(error_band.class_of_info(spec.model))  # as SearchSpec.first_guess takes it
+    guess = largest_predicted_to_fit(band.over(predicted), budget, steps)
     if guess is not None and steps.up(guess) <= steps.largest:
         predicted(steps.up(guess))
     return tuple((length, peak) for length, peak in sorted(peaks.items()) if peak is not None)

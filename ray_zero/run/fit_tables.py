@@ -118,7 +118,8 @@ def write_fit(
         out / "fit.md",
         f"# {session.experiment.name}: fit\n\n"
         + "\n".join(f"- {k}: {v}" for k, v in session.provenance.items() if k != "experiment")
-        + "\n\n"
+        + "\n\npredicted_max: where the search started, the largest size whose predicted peak at its error "
+        "band's upper end is within budget_gib (the band: trials.jsonl's predicted_band).\n\n"
         + markdown_table(
             frame.drop(columns=["timed_trial"]), [c for c in frame.columns if c != "timed_trial"]
         )

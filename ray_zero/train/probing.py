@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ray_zero.config import Experiment, TrialSpec
-from ray_zero.measure import calibration
+from ray_zero.measure import calibration, error_band
 from ray_zero.measure.memory_model import predict_point
 from ray_zero.measure.prediction import GIB
 from ray_zero.measure.search import TARGETS, BracketSearch, Steps, largest_predicted_to_fit
@@ -133,11 +133,13 @@ class SearchSpec:
         return None if peak is None else peak / GIB
 
     def first_guess(self) -> Optional[int]:
-        """Where the memory model puts the answer (`predicted_peak`); None: the search starts at the
-        smallest size."""
+        """Where the memory model puts the answer: the largest size whose predicted peak at its error
+        band's upper end (ray_zero/measure/error_band.py) is within the budget; None: the search starts at
+        the smallest size."""
         if not self.spec.use_gpu:
             return None
-        return largest_predicted_to_fit(self.predicted_peak, self.budget_gib, self.steps)
+        band = error_band.band_for(error_band.class_of_info(self.spec.model))
+        return largest_predicted_to_fit(band.over(self.predicted_peak), self.budget_gib, self.steps)
 
 
 def calibration_probes(search: SearchSpec) -> list[TrialSpec]:
