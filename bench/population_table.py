@@ -78,22 +78,32 @@ def _rows(records: dict[str, dict]) -> list[dict]:
             ratio = summary.get("measured_over_predicted")
             if summary.get("status") == "ok" and isinstance(ratio, (int, float)):
                 rows.append(dict(family=record["family"], set=record["set"], cls=class_of(record), form=form,
-                                 ratio=ratio, summary=summary))  # fmt: skip
+                                 ratio=ratio, summary=summary, band=_band(record)))  # fmt: skip
     return rows
 
 
+def _band(record: dict) -> error_band.Band:
+    """The band ray_zero states for a record's rows: its class's, checked against its GPU and the torch
+    that ran it."""
+    gpu = (record.get("gpu") or "").split(" x ")[-1] or None
+    return error_band.band_for(class_of(record), gpu, (record.get("provenance") or {}).get("torch"))
+
+
 def _stats_line(label: str, rows: list[dict]) -> str:
-    """One line of the table: families, rows, median |ratio - 1|, within 5 %, range, under by > 5 %."""
+    """One line of the table: families, rows, median |ratio - 1|, within 5 %, range, under by > 5 %,
+    inside the stated band, under-predicted beyond it."""
     ratios = [r["ratio"] for r in rows]
     if not ratios:
-        return f"| {label} | 0 | 0 | | | | |"
+        return f"| {label} | 0 | 0 | | | | | | |"
     errors = [abs(r - 1) for r in ratios]
     within = sum(e <= OFF for e in errors)
     under = sum(r > 1 + OFF for r in ratios)
+    inside = sum(r["band"].holds(r["ratio"]) for r in rows)
+    beyond = sum(r["ratio"] > 1 + r["band"].upper for r in rows)
     families, median = len({r["family"] for r in rows}), 100 * statistics.median(errors)
     return (
         f"| {label} | {families} | {len(ratios)} | {median:.1f} % | {within} | "
-        f"{min(ratios):.3f}-{max(ratios):.3f} | {under} |"
+        f"{min(ratios):.3f}-{max(ratios):.3f} | {under} | {inside} | {beyond} |"
     )
 
 
@@ -147,8 +157,8 @@ def tables(folders: list[Path], predicted: bool = False) -> str:
         out += _header({f: r for f, r in records.items() if r["set"] == which}) + [""]  # its own parts
         out += [
             "| class / form | families | rows | median \\|measured/predicted − 1\\| | within 5 % | range | "
-            "under-predicted > 5 % |",
-            "|---|---|---|---|---|---|---|",
+            "under-predicted > 5 % | inside the band | under beyond the band |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for cls in CLASSES:
             of_class = [r for r in mine if r["cls"] == cls]
