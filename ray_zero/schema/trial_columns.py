@@ -34,7 +34,7 @@ TRIAL = Registry(
         column("num_workers", int, "", T, "data-parallel ranks", heading="workers", hint="data-parallel ranks", views={PAGE}, place=4),
         column("activation_checkpointing", bool, "", T, "each block's activations recomputed in backward", heading="ckpt", hint="activation checkpointing", views={PAGE}, place=5),
         column("offload_optimizer", str, "", T, "cpu: DeepSpeed keeps the fp32 master and Adam's states in host memory and steps them there", heading="offload", hint="where the optimizer's states live", views={PAGE}, place=6),
-        column("seq_len", int, "tokens", T, "tokens per sample on a seq_len axis (grid.seq_len; the trial's name ends _s512); blank: the experiment's one seq_len", heading="seq_len", hint="tokens per sample (a seq_len axis)", views={PAGE}, place=6),
+        column("seq_len", int, "tokens", R, "tokens per sample on a seq_len axis (grid.seq_len; the trial's name ends _s512); blank: the experiment's one seq_len", heading="seq_len", hint="tokens per sample (a seq_len axis)", views={PAGE}, place=6),
         column("precision", str, "", T, "fp16 / bf16 (mixed precision; GPU) or fp32", heading="precision", hint="training precision", views={PAGE, MD}, place=7),
         column("model", str, "", T, "the model source", heading="model", hint="model", views={PAGE}, place=8),
         column("params", int, "parameters", T, "its parameter count (on the meta device, before Ray starts)", heading="params", hint="parameters", views={PAGE}, place=9),
