@@ -51,22 +51,28 @@ GRID = [
 STATES = ("parameter_bytes", "gradient_bytes", "master_param_bytes", "optimizer_state_bytes")
 
 
+KINDS = ("lora", "frozen", "lora bf16")
+"""fp32 (the CPU's default) and, with LoRA, bf16: DeepSpeed and FSDP2 cast the frozen weights too."""
+
+
 def _experiment(kind: str, *more: str):
-    return experiment_of("experiments/tiny_models_cpu.yaml", *LLAMA, FINETUNE[kind], *more)
+    name, *precision = kind.split()
+    precision = [f"precision={p}" for p in precision]
+    return experiment_of("experiments/tiny_models_cpu.yaml", *LLAMA, FINETUNE[name], *precision, *more)
 
 
 @pytest.fixture(scope="module")
 def tuned(ranks) -> dict[tuple[str, str], dict]:
-    """{(lora | frozen, trial name): row}, each trained by the session's two ranks in turn."""
+    """{(lora | frozen | lora bf16, trial name): row}, each trained by the session's two ranks in turn."""
     return {
         (kind, name): ranks(2).row(spec)
-        for kind in FINETUNE
+        for kind in KINDS
         for name, spec in trial_specs(_experiment(kind, *GRID)).items()
     }
 
 
 def test_the_rows_say_how_many_parameters_trained_and_each_engine_trains_them(tuned):
-    assert sorted(name for kind, name in tuned if kind == "lora") == [
+    assert sorted(name for kind, name in tuned if kind == "lora bf16") == [
         "fsdp_stage3_mb2_w2",
         "stage1_mb2_w2",
         "stage3_mb2_w2",
@@ -75,9 +81,9 @@ def test_the_rows_say_how_many_parameters_trained_and_each_engine_trains_them(tu
     for (kind, name), row in tuned.items():
         assert row["status"] == "ok", (kind, name, row["error"])
         assert math.isfinite(row["loss_last"]) and row["loss_last"] < row["loss_first"], (kind, name)
-        trained = LORA_TRAINS if kind == "lora" else FROZEN_TRAINS
-        assert row["trainable_params"] == trained, (kind, name)
-        assert row["params"] == ALL + (LORA_TRAINS if kind == "lora" else 0), (kind, name)
+        lora = kind.startswith("lora")
+        assert row["trainable_params"] == (LORA_TRAINS if lora else FROZEN_TRAINS), (kind, name)
+        assert row["params"] == ALL + (LORA_TRAINS if lora else 0), (kind, name)
 
 
 def test_each_engine_holds_the_state_models_frozen_trainable_split_to_the_byte(tuned):
@@ -87,6 +93,7 @@ def test_each_engine_holds_the_state_models_frozen_trainable_split_to_the_byte(t
     for key, row in tuned.items():
         predicted = predict_point(row)
         tensors = len(describe(_experiment(key[0])).trainable_param_shapes)
+        assert row["precision"] == ("bf16" if "bf16" in key[0] else "fp32"), key
         for state in STATES:
             measured, expected = row[f"{state}_per_rank_max"], getattr(predicted, state)
             if state == "optimizer_state_bytes":
@@ -121,6 +128,11 @@ def test_frozen_parameters_are_held_but_get_no_gradient_master_or_adam_state(tun
         fsdp = tuned[(kind, "fsdp_stage3_mb2_w2")]
         assert fsdp["parameter_bytes_per_rank_max"] == 4 * params // 2
         assert fsdp["gradient_bytes_per_rank_max"] == 4 * trains // 2
+    # bf16 DeepSpeed ZeRO-1: every weight in bf16 on every rank, frozen ones too (the 1,792 trainable ones
+    # fill the flat buffer without padding); an fp32 master of half the trainable ones.
+    zero1 = tuned[("lora bf16", "stage1_mb2_w2")]
+    assert zero1["parameter_bytes_per_rank_max"] == 2 * (ALL + LORA_TRAINS)
+    assert zero1["master_param_bytes_per_rank_max"] == 4 * LORA_TRAINS // 2
 
 
 def test_the_described_model_is_the_one_the_ranks_train():
