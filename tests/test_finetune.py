@@ -203,3 +203,9 @@ def test_estimate_counts_master_copies_and_adam_states_of_the_trainable_paramete
         assert tuned[1]["predicted_parameter_gib"] == pytest.approx(
             full[1]["predicted_parameter_gib"], rel=0.02
         )
+    # The command line reads the section the same way: its head names the frozen parameters.
+    from ray_zero.__main__ import main
+
+    args = ["estimate", "--model", "hf:llama", "--set", LLAMA[1], "--set", FINETUNE["lora"], "--stages", "1"]
+    assert main([*args, "--workers", "2", "--micro-batch-size", "2", "--precision", "bf16"]) == 0
+    assert f"{ALL + LORA_TRAINS:,} parameters ({ALL:,} of them frozen)" in capsys.readouterr().out
