@@ -63,6 +63,25 @@ CASES = [
         "seq_len 64 and grid.seq_len [64, 128] disagree",
     ),
     (
+        "a LoRA target that matches no module",
+        [QUICK, "--set", "model=hf:gpt2", "--set", "model_config={{n_layer: 1, n_embd: 32, n_head: 2}}",
+         "--set", "finetune={{lora: {{r: 4, target_modules: [c_attn, q_proj]}}}}"],
+        "finetune.lora.target_modules ['q_proj'] match no module of hf:gpt2 (its linear, convolution and "
+        "embedding layers: c_attn, c_fc, c_proj",
+    ),  # fmt: skip
+    (
+        "a freeze pattern that matches nothing",
+        [QUICK, "--set", "finetune={{freeze: ['head.*', 'embed*']}}"],
+        "finetune.freeze 'embed*' matches no parameter of seed (a pattern matches whole names, as "
+        "named_parameters() gives them: 'pos_embed', 'patch_embed.weight'",
+    ),
+    ("a freeze of everything", [QUICK, "--set", "finetune={{freeze: ['*']}}"], "leaves no parameter of seed"),
+    (
+        "an empty finetune section",
+        [QUICK, "--set", "finetune={{}}"],
+        "finetune: give lora, freeze or both",
+    ),
+    (
         "model states beyond memory",
         [
             QUICK,
@@ -137,6 +156,19 @@ def test_fp16_on_a_cpu_only_machine_is_refused_before_ray(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     code, stdout, stderr = _main_here(["sweep", QUICK, "--set", "precision=fp16"], capsys)
     assert code == 2 and "fp16 needs a GPU" in stderr and "dashboard" not in stdout
+
+
+def test_lora_without_peft_installed_names_the_extra(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # as where peft is not installed: its import fails
+    args = ["sweep", QUICK, "--set", "model=hf:gpt2", "--set", "finetune={lora: {target_modules: [c_attn]}}"]
+    code, stdout, stderr = _main_here(args, capsys)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "finetune.lora needs the PEFT library, not installed here: pip install 'ray_zero[finetune]'" in (
+        stderr
+    )
+    assert "Traceback" not in stderr and "dashboard" not in stdout
 
 
 def test_report_of_a_folder_without_results(tmp_path, capsys):

@@ -29,6 +29,16 @@ def test_saved_for_backward_counts_activations_once_and_not_the_weights():
     assert large.bytes == 4 * small.bytes  # linear in the micro-batch
 
 
+def test_saved_for_backward_leaves_out_frozen_weights_too():
+    # A frozen layer over an input that needs its gradient (LoRA's base layers, a frozen layer above a
+    # trainable one) saves only its weight, for the input's gradient: a parameter, not an activation.
+    frozen = nn.Linear(64, 256).requires_grad_(False)
+    saved = SavedForBackward()
+    with saved():
+        frozen(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    assert saved.bytes == 0
+
+
 def test_a_forward_that_fails_before_its_backward_leaves_no_saved_tensor_alive():
     model, saved, kept = nn.Linear(64, 256), SavedForBackward(), []
 

@@ -20,7 +20,16 @@ from ray_zero.config.points import (
     registered,
     unsupported,
 )
-from ray_zero.config.sections import SECRET_QUERY_KEYS, Fault, Grid, Optimizer, Runtime, StrictModel
+from ray_zero.config.sections import (
+    SECRET_QUERY_KEYS,
+    Fault,
+    FineTune,
+    Grid,
+    Lora,
+    Optimizer,
+    Runtime,
+    StrictModel,
+)
 from ray_zero.config.trial_spec import TrialSpec, is_calibration
 
 __all__ = [
@@ -35,10 +44,12 @@ __all__ = [
     "ConfigError",
     "Experiment",
     "Fault",
+    "FineTune",
     "Grid",
     "Offload",
     "Optimizer",
     "is_calibration",
+    "Lora",
     "Point",
     "Runtime",
     "Stage",

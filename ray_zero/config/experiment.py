@@ -13,7 +13,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, field_validator, model_validator
 
 from ray_zero.config.points import Point
-from ray_zero.config.sections import Fault, Grid, Optimizer, Runtime, StrictModel
+from ray_zero.config.sections import Fault, FineTune, Grid, Optimizer, Runtime, StrictModel
 from ray_zero.models.presets import PRESETS
 from ray_zero.models.source import ModelSource
 
@@ -78,6 +78,8 @@ class Experiment(StrictModel):
     """Micro-batches per optimizer step."""
     optimizer: Optimizer = Optimizer()
     """The optimizer every engine builds."""
+    finetune: Optional[FineTune] = None
+    """LoRA adapters and frozen parameters (unset: every parameter trains)."""
     reduce_bucket_size: int = Field(default=DEFAULT_BUCKET_ELEMENTS, gt=0)
     """ZeRO reduce bucket, in elements (5e7 as in the seed tutorial; DeepSpeed's default is 5e8)."""
     allgather_bucket_size: int = Field(default=DEFAULT_BUCKET_ELEMENTS, gt=0)
@@ -132,10 +134,13 @@ class Experiment(StrictModel):
 
     # Derived values are methods, not stored copies.
     def model_source(self, point: Optional[Point] = None) -> ModelSource:
-        """The model's five fields, whole (what describe_model counts and build_model_spec builds), at
+        """The model's fields, whole (what describe_model counts and build_model_spec builds), at
         `point`'s seq_len where the grid has that axis."""
         seq_len = point.seq_len if point is not None and point.seq_len is not None else self.seq_len
-        return ModelSource(self.model, self.model_options, seq_len, self.input_shape, self.num_classes)
+        finetune = self.finetune.spec() if self.finetune is not None else None
+        return ModelSource(
+            self.model, self.model_options, seq_len, self.input_shape, self.num_classes, finetune
+        )
 
     def seq_lens(self) -> list[Optional[int]]:
         """The seq_len axis's values, ascending (grid.seq_len), else the one seq_len (None: the model's)."""

@@ -1,5 +1,6 @@
-"""The experiment's sections, each a strict pydantic model: the grid Ray Tune sweeps, the optimizer, fault
-injection and the runtime (how the sweep runs on Ray; its storage path must hold no credentials).
+"""The experiment's sections, each a strict pydantic model: the grid Ray Tune sweeps, the optimizer,
+fine-tuning (LoRA, frozen parameters), fault injection and the runtime (how the sweep runs on Ray; its
+storage path must hold no credentials).
 
 Every field has a one-line docstring (shown by `python -m ray_zero keys`, through pydantic's
 use_attribute_docstrings).
@@ -14,6 +15,7 @@ from urllib.parse import parse_qsl, urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ray_zero.config.points import BACKEND_STAGES, Backend, Offload, Point, Stage, unsupported
+from ray_zero.models.finetune import FineTuneSpec, LoraSpec
 
 SECRET_QUERY_KEYS = {
     "access_key",
@@ -139,6 +141,69 @@ class Optimizer(StrictModel):
     """Adam's epsilon."""
     weight_decay: float = Field(default=0.01, ge=0)
     """Decoupled weight decay (AdamW) or L2 penalty (Adam)."""
+
+
+class Lora(StrictModel):
+    """LoRA adapters through the PEFT library (pip install 'ray_zero[finetune]'), in peft.LoraConfig's
+    names; every other parameter is frozen."""
+
+    r: int = Field(default=8, gt=0)
+    """Rank of each adapter (its two matrices: r x in and out x r)."""
+    lora_alpha: float = Field(default=8, gt=0)
+    """Scaling: the adapter's update is multiplied by lora_alpha / r."""
+    lora_dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapters' input."""
+    target_modules: Union[list[str], str, None] = None
+    """Modules to adapt: names (a module's full name or its last dotted parts, e.g. [q_proj, v_proj]), a
+    regex string, or all-linear; unset: peft's default for the Transformers architecture."""
+    bias: Literal["none", "all", "lora_only"] = "none"
+    """Biases that train beside the adapters: none, all, or those of the adapted layers."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some(cls, value: Union[list[str], str, None]) -> Union[list[str], str, None]:
+        if value is not None and not value:
+            raise ValueError("give at least one module name, a regex or all-linear (unset: peft's default)")
+        return value
+
+
+class FineTune(StrictModel):
+    """Fine-tuning: LoRA adapters, frozen parameters, or both (LoRA first, then the freeze patterns)."""
+
+    lora: Optional[Lora] = None
+    """LoRA adapters (peft); unset: no adapters."""
+    freeze: list[str] = Field(default_factory=list)
+    """fnmatch patterns over the parameter names that named_parameters() gives (after LoRA): what they
+    match does not train, e.g. ["transformer.wte.*", "transformer.h.0.*"]."""
+
+    @field_validator("freeze", mode="before")
+    @classmethod
+    def _one_or_several(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _something(self) -> "FineTune":
+        if self.lora is None and not self.freeze:
+            raise ValueError("give lora, freeze or both (or leave finetune out: every parameter trains)")
+        return self
+
+    def spec(self) -> FineTuneSpec:
+        """The section as models/finetune.py takes it."""
+        lora = self.lora
+        return FineTuneSpec(
+            lora=None
+            if lora is None
+            else LoraSpec(
+                r=lora.r,
+                lora_alpha=lora.lora_alpha,
+                lora_dropout=lora.lora_dropout,
+                target_modules=tuple(lora.target_modules)
+                if isinstance(lora.target_modules, list)
+                else lora.target_modules,
+                bias=lora.bias,
+            ),
+            freeze=tuple(self.freeze),
+        )
 
 
 class Fault(StrictModel):

@@ -137,7 +137,8 @@ class Memory:
 
 class SavedForBackward:
     """Bytes of the tensors autograd saves for backward during a forward pass, each storage once and
-    parameters left out (leaves that require gradients: the module's own, or the ones FSDP2 gathers):
+    parameters left out (the module's own, frozen ones too, or the ones FSDP2 gathers; any leaf that
+    requires gradients):
     the activations one micro-batch keeps (torch.autograd.graph.saved_tensors_hooks). What is packed is
     a detached view: an output packed as itself refers to the node that saved it, a cycle through C++
     that Python's collector cannot see, so a forward that fails before its backward (out of memory)
@@ -149,7 +150,8 @@ class SavedForBackward:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         base = tensor._base if tensor._base is not None else tensor  # a weight's transpose is a view of it
-        if base.is_leaf and base.requires_grad:
+        # A frozen layer saves its weight for its input's gradient: a parameter, not an activation.
+        if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
             return tensor
         try:
             storage = tensor.untyped_storage()

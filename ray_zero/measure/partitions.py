@@ -15,7 +15,11 @@ code and checked tensor by tensor on 2 CPU ranks (tests/test_zoo.py):
   fewest elements so far.
 * FSDP2: each tensor's first dimension split N ways, ceil(rows / N) rows per rank, padded.
 * DeepSpeed stage 0, DDP: everything on every rank.
-Frozen parameters are held (and cast, and partitioned) like the others, with no gradient and no states.
+Frozen parameters are held (and cast, and partitioned) like the others, with no gradient and no states:
+DeepSpeed's optimizers own only what `is_optimized_parameter` (runtime/utils.py: requires_grad) keeps,
+while its engine casts, and ZeRO-3 partitions, every module parameter; FSDP2 shards each parameter with
+its requires_grad; DDP's reducer and ZeroRedundancyOptimizer take those that require grad (LoRA and
+frozen layers to the byte on 2 CPU ranks: tests/test_finetune.py).
 """
 
 from __future__ import annotations

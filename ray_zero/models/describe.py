@@ -29,6 +29,7 @@ from torch import nn
 
 from ray_zero.models.counting import built_on_meta_or_cpu, flops_and_saved
 from ray_zero.models.factory_source import FACTORY, build_factory
+from ray_zero.models.finetune import apply_finetune
 from ray_zero.models.hf_source import DEFAULT_SEQ_LEN, build_hf  # noqa: F401 (DEFAULT_SEQ_LEN: part of this module's API)
 from ray_zero.models.presets import IMAGE_SIZE, NUM_CLASSES, PRESETS, ModelPreset
 from ray_zero.models.source import (  # noqa: F401
@@ -246,6 +247,14 @@ def build_model_spec(
 
 
 def _build(source: ModelSource, counting: bool) -> Built:
+    """The source's model, fine-tuned as the experiment says (LoRA, frozen parameters): what is
+    described, traced and trained is the same module."""
+    built = _build_source(source, counting)
+    apply_finetune(built.spec.module, source.finetune, source.model)
+    return built
+
+
+def _build_source(source: ModelSource, counting: bool) -> Built:
     model, config, seq_len = source.model, source.model_config, source.seq_len
     input_shape, num_classes = source.input_shape, source.num_classes
     if config is not None and not isinstance(config, dict):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,9 @@ from torch.utils.checkpoint import checkpoint
 
 from ray_zero.models.spec import ModelSpec
 
+if TYPE_CHECKING:
+    from ray_zero.models.finetune import FineTuneSpec
+
 
 class ModelError(ValueError):
     """A problem with the model input, in one line (the CLI prints it and exits 2)."""
@@ -24,8 +27,8 @@ class ModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSource:
-    """The experiment's model, its five fields in one place (Experiment.model_source()): what
-    describe_model counts and build_model_spec builds."""
+    """The experiment's model, its fields in one place (Experiment.model_source()): what describe_model
+    counts and build_model_spec builds."""
 
     model: str
     """A preset, hf:TYPE, timm:NAME or a factory (config.Experiment.model)."""
@@ -33,6 +36,8 @@ class ModelSource:
     seq_len: int | None = None
     input_shape: list[int] | None = None
     num_classes: int | None = None
+    finetune: Optional["FineTuneSpec"] = None
+    """LoRA and frozen parameters (models/finetune.py), applied once the model is built."""
 
     @classmethod
     def of(cls, source: "ModelSource | str", *args: Any, **kwargs: Any) -> "ModelSource":
