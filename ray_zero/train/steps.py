@@ -183,7 +183,6 @@ def train_steps(run, engine, data: Data) -> dict[str, Any]:
             rate = meter.end_window(step, samples_per_step)
             now = time.perf_counter()
             if run.on_progress is not None and now - published_at >= PUBLISH_INTERVAL_S:
-                published_at = now
                 with meter.untimed():  # its time is not the steps'
                     run.on_progress(
                         step,
@@ -193,6 +192,7 @@ def train_steps(run, engine, data: Data) -> dict[str, Any]:
                             "peak_allocated_gib": meter.peak_so_far_gib(),
                         },
                     )
+                published_at = time.perf_counter()  # from its end: the next comes a whole interval later
     meter.stop_timing(step - warmup, samples_per_step)
     run.timings["measuring_until"] = time.time()
     if run.diagnostics:
