@@ -10,6 +10,8 @@ python -m ray_zero report runs/quick-20261129-120000             # tables, plots
 python -m ray_zero estimate experiments/llama_1b.yaml           # every grid point predicted
 python -m ray_zero bandwidth --workers 2                         # busbw between workers, for estimate
 python -m ray_zero estimate --measured runs/X --bandwidth bandwidth.json   # samples/s at 1-8 workers
+python -m ray_zero profile --output h100.json                    # this GPU's kernel rates, <= 3 minutes
+python -m ray_zero estimate experiments/llama_1b.yaml --profile h100.json   # + step ms and samples/s
 python -m ray_zero keys                                          # every experiment key
 python -m ray_zero columns                                       # every column of the tables
 
@@ -221,6 +223,16 @@ def _parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="a running Ray cluster to join (default: RAY_ADDRESS, or a private Ray)",
     )
+    profile = commands.add_parser(
+        "profile", help="this GPU's rates per kernel class from micro-benchmarks, for estimate --profile"
+    )
+    profile.add_argument(
+        "--output", type=Path, default=Path("profile.json"), metavar="FILE", help="the file to write"
+    )
+    profile.add_argument("--device", help="cuda or cpu (default: the GPU where there is one)")
+    profile.add_argument(
+        "--budget-s", type=float, default=180.0, metavar="S", help="seconds the benchmarks may take (180)"
+    )
     commands.add_parser("keys", help="list every experiment key with its meaning and default")
     commands.add_parser("columns", help="every column of the tables, its unit and meaning (docs/columns.md)")
     return parser
@@ -307,6 +319,12 @@ def _bandwidth(args) -> int:
     return 0
 
 
+def _profile(args) -> int:
+    written = api.profile(**_options(args, "output", "device", "budget_s"), command=_command())
+    print(f"ray_zero: written to {written} (for estimate --profile {written})")
+    return 0
+
+
 def _keys(_args) -> int:
     for key, text, default in field_help():
         print(f"{key:36} {text}  [default: {default!r}]")
@@ -325,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     verbose, quiet = getattr(args, "verbose", False), getattr(args, "quiet", False)
     log_to_console(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
     handlers = {"sweep": _run, "fit": _run, "report": _report, "estimate": _estimate, "keys": _keys}
-    handler = {**handlers, "bandwidth": _bandwidth, "columns": _columns}[args.command]
+    handler = {**handlers, "bandwidth": _bandwidth, "columns": _columns, "profile": _profile}[args.command]
     try:
         return handler(args)
     except ConfigError as error:

@@ -332,6 +332,30 @@ def estimate(
     return result
 
 
+def profile(
+    output: Union[str, os.PathLike] = "profile.json",
+    *,
+    device: Optional[str] = None,
+    budget_s: float = 180.0,
+    command: Optional[str] = None,
+) -> Path:
+    """What this machine's GPU (`device` "cuda"; "cpu" for the host; default: the GPU where there is one)
+    reaches per kernel class, from micro-benchmarks within `budget_s` seconds (ray_zero/train/
+    profile_bench.py), written to `output` for `estimate(profile=output)`. No Ray."""
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cuda", "cpu"):
+        raise ConfigError(f"--device: give cuda or cpu, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this machine has no GPU torch can use (give --device cpu)")
+    if not 0 < budget_s < math.inf:
+        raise ConfigError(f"--budget-s {budget_s:g}: give the seconds the profile may take, above 0")
+    from ray_zero.train.profile_bench import write_profile
+
+    return write_profile(Path(output), device, budget_s, command or "ray_zero.profile()")
+
+
 def bandwidth(
     workers: Optional[int] = None,
     *,
