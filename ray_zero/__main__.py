@@ -186,6 +186,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--busbw", type=float, metavar="GB/s", help="the bus bandwidth, in place of a file")
     estimate.add_argument(
+        "--profile",
+        type=Path,
+        metavar="FILE",
+        help="a file of `python -m ray_zero profile`: each point's step ms, samples/s and what bounds it",
+    )
+    estimate.add_argument(
         "--calibration",
         type=Path,
         metavar="DIR",
@@ -298,7 +304,7 @@ def _estimate(args) -> int:
     grid = _options(
         args, "workers", "stages", "backend", "precision", "micro_batch_size", "seq_len", "calibration"
     )
-    speed = _options(args, "gpu_gib", "gpu", "measured", "bandwidth", "busbw")
+    speed = _options(args, "gpu_gib", "gpu", "measured", "bandwidth", "busbw", "profile")
     overrides = [*args.overrides, *(model_set if args.experiment else [])]
     print(api.estimate(model, **grid, **speed, overrides=overrides))
     return 0
