@@ -12,7 +12,7 @@ __main__ and api (the CLI and the Python API) > run (Ray: plan, cluster, trial, 
 > models (sources, presets, description) > store, console.
 """
 
-from ray_zero.api import FitResults, Results, bandwidth, estimate, experiment_of, fit, sweep
+from ray_zero.api import FitResults, Results, bandwidth, estimate, experiment_of, fit, profile, sweep
 from ray_zero.config import ConfigError, Experiment
 from ray_zero.console import log_to_console
 
@@ -27,5 +27,6 @@ __all__ = [
     "experiment_of",
     "fit",
     "log_to_console",
+    "profile",
     "sweep",
 ]

@@ -10,6 +10,8 @@ python -m ray_zero report runs/quick-20261129-120000             # tables, plots
 python -m ray_zero estimate experiments/llama_1b.yaml           # every grid point predicted
 python -m ray_zero bandwidth --workers 2                         # busbw between workers, for estimate
 python -m ray_zero estimate --measured runs/X --bandwidth bandwidth.json   # samples/s at 1-8 workers
+python -m ray_zero profile --output h100.json                    # this GPU's kernel rates, <= 3 minutes
+python -m ray_zero estimate experiments/llama_1b.yaml --profile h100.json   # + step ms and samples/s
 python -m ray_zero keys                                          # every experiment key
 python -m ray_zero columns                                       # every column of the tables
 
@@ -184,6 +186,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("--busbw", type=float, metavar="GB/s", help="the bus bandwidth, in place of a file")
     estimate.add_argument(
+        "--profile",
+        type=Path,
+        metavar="FILE",
+        help="a file of `python -m ray_zero profile`: each point's step ms, samples/s and what bounds it",
+    )
+    estimate.add_argument(
         "--calibration",
         type=Path,
         metavar="DIR",
@@ -220,6 +228,16 @@ def _parser() -> argparse.ArgumentParser:
         "--address",
         metavar="ADDR",
         help="a running Ray cluster to join (default: RAY_ADDRESS, or a private Ray)",
+    )
+    profile = commands.add_parser(
+        "profile", help="this GPU's rates per kernel class from micro-benchmarks, for estimate --profile"
+    )
+    profile.add_argument(
+        "--output", type=Path, default=Path("profile.json"), metavar="FILE", help="the file to write"
+    )
+    profile.add_argument("--device", help="cuda or cpu (default: the GPU where there is one)")
+    profile.add_argument(
+        "--budget-s", type=float, default=180.0, metavar="S", help="seconds the benchmarks may take (180)"
     )
     commands.add_parser("keys", help="list every experiment key with its meaning and default")
     commands.add_parser("columns", help="every column of the tables, its unit and meaning (docs/columns.md)")
@@ -286,7 +304,7 @@ def _estimate(args) -> int:
     grid = _options(
         args, "workers", "stages", "backend", "precision", "micro_batch_size", "seq_len", "calibration"
     )
-    speed = _options(args, "gpu_gib", "gpu", "measured", "bandwidth", "busbw")
+    speed = _options(args, "gpu_gib", "gpu", "measured", "bandwidth", "busbw", "profile")
     overrides = [*args.overrides, *(model_set if args.experiment else [])]
     print(api.estimate(model, **grid, **speed, overrides=overrides))
     return 0
@@ -304,6 +322,12 @@ def _bandwidth(args) -> int:
     if written is not None:
         print(bandwidth_table(written))
         print(f"ray_zero: written to {written} (for estimate --measured DIR --bandwidth {written})")
+    return 0
+
+
+def _profile(args) -> int:
+    written = api.profile(**_options(args, "output", "device", "budget_s"), command=_command())
+    print(f"ray_zero: written to {written} (for estimate --profile {written})")
     return 0
 
 
@@ -325,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     verbose, quiet = getattr(args, "verbose", False), getattr(args, "quiet", False)
     log_to_console(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
     handlers = {"sweep": _run, "fit": _run, "report": _report, "estimate": _estimate, "keys": _keys}
-    handler = {**handlers, "bandwidth": _bandwidth, "columns": _columns}[args.command]
+    handler = {**handlers, "bandwidth": _bandwidth, "columns": _columns, "profile": _profile}[args.command]
     try:
         return handler(args)
     except ConfigError as error:

@@ -276,6 +276,7 @@ def estimate(
     busbw: Optional[float] = None,
     overrides: Sequence[str] = (),
     gpu: Optional[str] = None,
+    profile: Union[str, os.PathLike, None] = None,
 ):
     """Every point of an experiment's grid predicted on a GPU, without training or Ray: `model` is an
     experiment (a YAML path, a mapping or an Experiment) or a model source (`hf:llama`, `timm:resnet50`,
@@ -288,7 +289,9 @@ def estimate(
     reserve and the CUDA context. `gpu`: the GPU's name (h100, A100-SXM4-80GB; default: this machine's),
     whose architecture the band is checked against. With `measured` (a sweep's folder; its experiment when
     `model` is empty) and `bandwidth` (a file of `bandwidth`) or `busbw` (GB/s): `.speed`, samples/s at
-    each worker count."""
+    each worker count. With `profile` (a file of `profile`): each point's step time, samples/s and what bounds
+    it on that GPU, from its traced kernels."""
+    from ray_zero.measure.gpu_profile import read_profile
     from ray_zero.report.estimate import estimate as estimate_table
     from ray_zero.report.estimate import grid_overrides, this_gpu, this_gpu_gib
     from ray_zero.report.speed_estimate import speed_head, speed_source, speed_table
@@ -298,6 +301,7 @@ def estimate(
     if gpu is not None and not gpu.strip():
         raise ConfigError("--gpu: give the GPU's name, e.g. h100, h200 or A100-SXM4-80GB")
     source = speed_source(measured, bandwidth, busbw)
+    rates = read_profile(Path(profile)) if profile is not None else None
     if not model and measured is not None:
         model = dict(read_experiment_file(Path(measured)).get("experiment") or {})
     narrowed = [*overrides, *grid_overrides(workers, stages, backend, precision, micro_batch_size, seq_len)]
@@ -314,6 +318,7 @@ def estimate(
         calibration_dir=calibration,
         gpu_gib=gpu_gib if gpu_gib else this_gpu_gib(),
         gpu=gpu or this_gpu(),
+        profile=rates,
     )
     if source is not None:
         from ray_zero.store import load_trials
@@ -330,6 +335,30 @@ def estimate(
         result.speed_head = speed_head(source, measured)
         result.add_speed()
     return result
+
+
+def profile(
+    output: Union[str, os.PathLike] = "profile.json",
+    *,
+    device: Optional[str] = None,
+    budget_s: float = 180.0,
+    command: Optional[str] = None,
+) -> Path:
+    """What this machine's GPU (`device` "cuda"; "cpu" for the host; default: the GPU where there is one)
+    reaches per kernel class, from micro-benchmarks within `budget_s` seconds (ray_zero/train/
+    profile_bench.py), written to `output` for `estimate(profile=output)`. No Ray."""
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cuda", "cpu"):
+        raise ConfigError(f"--device: give cuda or cpu, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this machine has no GPU torch can use (give --device cpu)")
+    if not 0 < budget_s < math.inf:
+        raise ConfigError(f"--budget-s {budget_s:g}: give the seconds the profile may take, above 0")
+    from ray_zero.train.profile_bench import write_profile
+
+    return write_profile(Path(output), device, budget_s, command or "ray_zero.profile()")
 
 
 def bandwidth(

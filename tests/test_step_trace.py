@@ -192,3 +192,25 @@ def test_the_step_casts_the_batch_for_the_engine_and_keeps_the_copy():
     saved_low = traced_low.forward_bytes - copy
     # The low step keeps half of the fp32 one's activations, plus the input's bf16 copy.
     assert abs(saved_low - traced_full.forward_bytes / 2) <= 2 * 512
+
+
+def test_the_traced_step_carries_its_kernels_flops_as_torchs_flop_counter_counts_them():
+    # FlopCounterMode around the trace sees the operators the tracker runs: the recorded FLOPs must be its
+    # total, and the matmuls GPT-2's 6 x tokens x (12 d^2 per layer + the tied head's V d), forward+backward.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    form = module_form("deepspeed", "bf16")
+    spec = build_on_meta(lambda: build_model_spec(GPT2))
+    prepare(spec, form, False)
+    with FlopCounterMode(display=False) as counter:
+        traced = trace_step(spec, 4, form)
+    assert traced.flops == counter.get_total_flops() > 0
+    kinds = {op.kind for op in traced.ops}
+    assert kinds == {"matmul", "attention", "elementwise", "reduction"}
+    tokens, layers, d, vocab = 4 * 128, 2, 64, 1000
+    matmul = sum(op.flops for op in traced.ops if op.kind == "matmul")
+    assert matmul == 6 * tokens * (layers * 12 * d * d + vocab * d)
+    assert all(op.dtype == "bf16" for op in traced.ops if op.kind in ("matmul", "attention"))
+    # every bucket's operators moved bytes; launches: each kernel once (views launch none)
+    assert all(op.bytes > 0 and op.count > 0 for op in traced.ops)
+    assert 50 < sum(op.count for op in traced.ops) < 400

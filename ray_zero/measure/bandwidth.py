@@ -57,15 +57,7 @@ class Bandwidth:
         curve = self.curves.get(kind) or self.curves.get(STAND_IN.get(kind, ""), [])
         if not curve:
             raise ConfigError(f"{self.source}: no {kind} figures (measured: {', '.join(self.curves)})")
-        sizes = [size for size, _ in curve]
-        if nbytes <= sizes[0]:
-            return curve[0][1]
-        if nbytes >= sizes[-1]:
-            return curve[-1][1]
-        i = bisect.bisect_left(sizes, nbytes)
-        (s0, b0), (s1, b1) = curve[i - 1], curve[i]
-        weight = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
-        return b0 + weight * (b1 - b0)
+        return log_linear(curve, nbytes)
 
     def seconds(self, kind: str, nbytes: float, workers: int, message_bytes: Optional[float] = None) -> float:
         """Time of `nbytes` of `kind` among `workers` ranks, sent as messages of `message_bytes` (default:
@@ -74,6 +66,20 @@ class Bandwidth:
             return 0.0
         rate = self.busbw(kind, message_bytes or nbytes) * GB
         return nbytes * bus_factor(kind, workers) / rate
+
+
+def log_linear(curve: list[tuple[float, float]], size: float) -> float:
+    """A curve of (size, value), by size, read at `size`: log-linear between its points, the nearest end's
+    value beyond them."""
+    sizes = [s for s, _ in curve]
+    if size <= sizes[0]:
+        return curve[0][1]
+    if size >= sizes[-1]:
+        return curve[-1][1]
+    i = bisect.bisect_left(sizes, size)
+    (s0, b0), (s1, b1) = curve[i - 1], curve[i]
+    weight = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
+    return b0 + weight * (b1 - b0)
 
 
 def given(busbw_gbps: float) -> Bandwidth:

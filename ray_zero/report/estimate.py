@@ -21,7 +21,10 @@ from ray_zero.config import ConfigError, Experiment, TrialSpec
 from ray_zero.measure import error_band
 from ray_zero.measure.calibration import read_calibration
 from ray_zero.measure.engine_memory import paper
+from ray_zero.measure.gpu_profile import Profile
+from ray_zero.measure.partitions import held
 from ray_zero.measure.prediction import GIB
+from ray_zero.measure.step_time import predict_step
 from ray_zero.rows import band_fields, trial_row
 from ray_zero.train.grid_trace import Traced, trace_grid, trace_key, traced_names
 
@@ -76,10 +79,11 @@ def estimate(
     calibration_dir: Optional[Path] = None,
     gpu_gib: Optional[float] = None,
     gpu: Optional[str] = None,
+    profile: Optional[Profile] = None,
 ) -> Estimate:
     """Every point of `experiment`'s grid that an engine can run, predicted on a GPU: its step traced on
     the meta device (or `calibration_dir`'s calibration.json where it cannot be), with its error band
-    (checked against `gpu`, a GPU's name, where given)."""
+    (checked against `gpu`, a GPU's name, where given); with `profile`, its step time on that GPU."""
     calibration = None
     if calibration_dir is not None:
         calibration = read_calibration(Path(calibration_dir))
@@ -94,8 +98,11 @@ def estimate(
     started = time.time()
     traces = trace_grid(experiment.model_source(), points, precision)
     traced_s = time.time() - started
-    rows = []
+    rows, speeds = [], []
     for point in points:
+        traced = traces[trace_key(point.backend, precision, point.activation_checkpointing, point.seq_len)]
+        if profile is not None:
+            speeds.append(_speed(point, traced, model, profile, experiment.gradient_accumulation_steps))
         spec = TrialSpec(
             experiment,
             point,
@@ -103,19 +110,45 @@ def estimate(
             True,
             model,
             "",
-            activations=traces[
-                trace_key(point.backend, precision, point.activation_checkpointing, point.seq_len)
-            ],
+            activations=traced,
             calibration=calibration,
         )
         row = trial_row(spec)
         rows.append(row | band_fields(row, gpu))
     table = pd.DataFrame([_line(row, gpu_gib, gpu) for row in rows])
+    if speeds:
+        table = pd.concat([table, pd.DataFrame(speeds)], axis=1)
     for field in VARYING:
         if field in table and table[field].nunique() <= 1:
             table = table.drop(columns=field)
     head = _head(experiment, model, precision, traces, traced_s, gpu_gib)
-    return Estimate(head + _band_head(rows, gpu, gpu_gib), table, rows=rows)
+    head += _band_head(rows, gpu, gpu_gib) + (_speed_head(profile) if profile is not None else "")
+    return Estimate(head, table, rows=rows)
+
+
+def _speed(point, traced, model, profile: Profile, accumulation: int) -> dict:
+    """The point's step on the profile's GPU (measure/step_time.py): its traced kernels, and an AdamW step
+    over the parameters its fullest rank steps; blank where the step was not traced."""
+    step = traced.at(point.micro_batch_size) if isinstance(traced, Traced) else None
+    if step is None or not step.ops:
+        return {"step_ms": None, "predicted_samples_per_s": None, "bound": None}
+    shapes = model.trainable_param_shapes, model.frozen_param_shapes
+    stepped = held(*shapes, point.backend, point.stage, point.num_workers, model.unreached_params).states
+    predicted = predict_step(step.ops, profile, stepped, accumulation)
+    return {
+        "step_ms": predicted.step_s * 1e3,
+        "predicted_samples_per_s": predicted.samples_per_s(point.micro_batch_size, point.num_workers),
+        "bound": predicted.bound,
+    }
+
+
+def _speed_head(profile: Profile) -> str:
+    return (
+        f".\nstep_ms, predicted_samples_per_s (all workers): each traced kernel on {profile.source}, the "
+        "larger of its FLOPs over its kind's rate and its bytes over the bandwidth, beside the host's "
+        f"launches ({profile.launch_s * 1e6:.1f} us each); bound: the term that sets the step (compute, "
+        "memory, host). Not counted yet: communication, the engine's hooks and copies"
+    )
 
 
 def _line(row: dict, gpu_gib: Optional[float], gpu: Optional[str]) -> dict:

@@ -25,10 +25,12 @@ from typing import Optional
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ray_zero.measure.step_time import OpCost
 from ray_zero.models.counting import built_on_meta_or_cpu, no_meta_kernel
 from ray_zero.models.source import one_line
 from ray_zero.models.spec import ModelSpec, cast_floating
 from ray_zero.train.cuda_kernels import cuda_kernels
+from ray_zero.train.op_costs import OpCosts
 from ray_zero.train.precision import LOW, cast_float_buffers
 from ray_zero.train.storage_tracker import (
     SavedBytes,
@@ -61,7 +63,14 @@ class StepTrace:
     composition: tuple[tuple[str, int], ...] = ()
     """At the step's peak (gradients as traced): the live bytes by the operator that made them, largest
     first (the operators past the tenth summed as "other")."""
+    ops: tuple[OpCost, ...] = ()
+    """The step's kernels (forward, loss, backward; a checkpointed block's recompute too) in buckets of alike
+    operators, with their FLOPs and bytes (ray_zero/train/op_costs.py): what measure/step_time.py costs."""
     seconds: float = 0.0
+
+    @property
+    def flops(self) -> float:
+        return sum(op.flops for op in self.ops)
 
     def rise(self, gradient_bytes: float) -> float:
         """The step's peak above what was allocated before it, for an engine that holds `gradient_bytes` of
@@ -148,7 +157,8 @@ def trace_step(
     )
     known = {t.untyped_storage()._cdata for t in [*module.parameters(), *module.buffers()]}
     known |= {t.untyped_storage()._cdata for t in tree_flatten(made)[0] if isinstance(t, torch.Tensor)}
-    tracker = StorageTracker(known, device)
+    costs = OpCosts()
+    tracker = StorageTracker(known, device, costs)
     saved = SavedBytes(tracker)
     module.zero_grad(set_to_none=True)
     try:
@@ -187,6 +197,7 @@ def trace_step(
         gradient_bytes=gradient_bytes,
         attention=attention,
         composition=composition,
+        ops=costs.ops(),
         seconds=time.perf_counter() - started,
     )
 

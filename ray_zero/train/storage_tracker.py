@@ -63,8 +63,10 @@ class StorageTracker(TorchDispatchMode):
     """Every storage an operator creates, from then until its last reference goes: a log of (storage,
     +bytes | -bytes) in order, and the live total."""
 
-    def __init__(self, known: set[int], device_type: str):
+    def __init__(self, known: set[int], device_type: str, costs=None):
         super().__init__()
+        self.costs = costs
+        """An OpCosts (ray_zero/train/op_costs.py) that every operator is also reported to, if given."""
         self.known = known
         self.meta = device_type == "meta"
         self.sizes: dict[int, tuple[int, int]] = {}
@@ -95,6 +97,8 @@ class StorageTracker(TorchDispatchMode):
             out = _grouped_mm_meta(*args, **(kwargs or {}))
         else:
             out = func(*args, **(kwargs or {}))
+        if self.costs is not None:
+            self.costs.add(func, args, kwargs, out)
         self.op = func.__name__
         if self.meta and func in _CHECKS and isinstance(out, torch.Tensor) and out.dim() == 0:
             self.checks[out.untyped_storage()._cdata] = _CHECKS[func]

@@ -1,0 +1,94 @@
+"""A GPU's profile: what each kernel class reaches at each size, from `python -m ray_zero profile`'s
+micro-benchmarks (ray_zero/train/profile_bench.py), never fitted to model runs. Pure: no torch.
+
+The file's `results` are rows of one timed call each: {"kind", "dtype", "shape", "flops", "bytes",
+"seconds"} (and "params" for an optimizer step). A kind's rate is read at the size that sets it:
+- compute kinds (matmul, attention, conv): FLOP/s, by FLOPs per call;
+- memory kinds (elementwise, reduction): bytes/s, by bytes per call;
+- optimizer steps (adamw_foreach, adamw_fused): parameters/s, by parameters per step.
+Between measured sizes the rate is log-linear in the size; beyond them, the nearest end's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ray_zero.config import ConfigError
+from ray_zero.measure.bandwidth import log_linear
+
+FILE_KIND = "ray_zero gpu profile"
+COMPUTE = ("matmul", "attention", "conv")
+MEMORY = ("elementwise", "reduction")
+OPTIMIZERS = ("adamw_foreach", "adamw_fused")
+OPTIMIZER = "adamw_foreach"
+"""torch.optim.AdamW's default on CUDA (foreach), which every engine here steps (DeepSpeed's torch_adam)."""
+
+
+def _size(row: dict) -> float:
+    kind = row["kind"]
+    if kind in COMPUTE:
+        return float(row["flops"])
+    if kind in OPTIMIZERS:
+        return float(row["params"])
+    return float(row["bytes"])
+
+
+def rate_of(row: dict) -> float:
+    """A row's achieved rate: FLOP/s, bytes/s or parameters/s (by its kind)."""
+    return _size(row) / float(row["seconds"])
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Achieved rates by (kind, dtype) and size, and the host's seconds per launched kernel."""
+
+    source: str
+    """The file, and the GPU it was measured on."""
+    launch_s: float
+    curves: dict[tuple[str, str], list[tuple[float, float]]]
+    """(kind, dtype) -> [(size per call, rate)], by size."""
+
+    def rate(self, kind: str, dtype: str, size: float) -> float:
+        """The rate of one call of `kind` at `size`. A dtype not measured for its kind is read at the kind's
+        other dtypes (fp32 first); a compute kind not measured at all at matmul's, a memory kind at
+        elementwise's."""
+        stand_in = "matmul" if kind in COMPUTE else "elementwise" if kind in MEMORY else kind
+        for key in ((kind, dtype), *self._others(kind), (stand_in, dtype), *self._others(stand_in)):
+            if key in self.curves:
+                return log_linear(self.curves[key], size)
+        measured = ", ".join(sorted({k for k, _ in self.curves}))
+        raise ConfigError(f"{self.source}: no {kind} figures (measured: {measured})")
+
+    def _others(self, kind: str) -> list[tuple[str, str]]:
+        return sorted((k for k in self.curves if k[0] == kind), key=lambda k: k[1] != "fp32")
+
+
+def profile_from(content: dict, source: str) -> Profile:
+    """A Profile from a profile file's content (as `profile` writes it)."""
+    curves: dict[tuple[str, str], dict[float, list[float]]] = {}
+    for row in content.get("results", []):
+        if float(row.get("seconds", 0)) > 0:
+            curves.setdefault((row["kind"], row["dtype"]), {}).setdefault(_size(row), []).append(rate_of(row))
+    # shapes of equal size (a tall and a square matmul of the same FLOPs) share one point: their mean
+    averaged = {key: sorted((s, sum(r) / len(r)) for s, r in by.items()) for key, by in curves.items()}
+    if not averaged or not content.get("launch_s"):
+        raise ConfigError(f"{source}: no figures in it (a profile needs results and launch_s)")
+    hardware = content.get("hardware", {}).get("name", "?")
+    return Profile(f"{source} ({hardware}, {content.get('date', '?')})", float(content["launch_s"]), averaged)
+
+
+def read_profile(path: Path, label: Optional[str] = None) -> Profile:
+    """A `python -m ray_zero profile` file."""
+    path = Path(path)
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"--profile {path}: cannot read it ({error}); give a file of `python -m ray_zero profile`"
+        ) from None
+    if not isinstance(content, dict) or content.get("kind") != FILE_KIND:
+        raise ConfigError(f"--profile {path}: not a file of `python -m ray_zero profile`")
+    return profile_from(content, label or str(path))

@@ -1,0 +1,254 @@
+"""`python -m ray_zero profile`: what one device reaches per kernel class, from micro-benchmarks alone (never
+fitted to model runs), within a time budget; read by ray_zero/measure/gpu_profile.py. torch only.
+
+Measured, each section in its share of the budget, its cases from small to large (a section stops where
+the next case would not fit what is left of its share):
+- matmul (torch.mm) over square and transformer-shaped (tokens x hidden) M, N, K, per dtype;
+- scaled_dot_product_attention (causal, forward) over sequence lengths and head sizes: the kernel torch
+  picks, FLOPs as torch's FLOP counter counts them (the full matrix: the causal saving is in the rate);
+- convolutions (forward) of a few ResNet-shaped layers;
+- elementwise (a multiply into another tensor) and reduction (a sum) bandwidth, by bytes;
+- torch.optim.AdamW's step, foreach (torch's default on CUDA) and fused, over fp32 parameters;
+- the host's seconds per launched kernel for eager PyTorch: a loop of tiny in-place adds, timed on the
+  host without waiting for the device.
+
+A GPU call's device time is read between CUDA events, with the calls queued behind a short sleep kernel
+so that the host's launches do not show in it; on the CPU, perf_counter. (torch.utils.benchmark.Timer
+times with the host's clock and a synchronize: it would read small kernels at their launch cost.)
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import conv_flop_count, sdpa_flop_count
+
+from ray_zero.measure.gpu_profile import FILE_KIND
+from ray_zero.train.cuda_kernels import attention_kernel
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+SHARES = {
+    "launch": 0.05, "matmul": 0.30, "attention": 0.20, "conv": 0.10, "elementwise": 0.10, "reduction": 0.05,
+    "adamw": 0.20,
+}  # fmt: skip
+"""Each section's share of the budget."""
+SLEEP_CYCLES = 2_000_000
+"""The sleep kernel the timed calls queue behind: about 1 ms on a GPU at 2 GHz."""
+GROWTH = 4
+"""About how much longer each case of a section takes than the one before it (its tensors made, its
+calls timed)."""
+ADAM_BYTES = 28
+"""An fp32 AdamW step per parameter: reads the parameter, its gradient and two moments, writes three."""
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], calls: int, device: torch.device) -> float:
+    """Seconds per call of `calls` calls back to back, as the device runs them."""
+    if device.type != "cuda":
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - started) / calls
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)  # the device waits while the host queues the calls
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
+
+
+def seconds_per_call(fn: Callable[[], object], device: torch.device, target_s: float) -> float:
+    """One call's seconds: after a warm-up call (kernel choice, caches), as many calls as fill `target_s`
+    (at most 100, queued behind one sleep)."""
+    fn()
+    _synchronize(device)
+    calls, seconds = 1, _timed(fn, 1, device)
+    while seconds * calls < target_s and calls < 100:
+        calls = min(100, max(2 * calls, int(target_s / max(seconds, 1e-7))))
+        seconds = _timed(fn, calls, device)
+    return seconds
+
+
+def launch_seconds(device: torch.device, launches: int = 500) -> float:
+    """The host's seconds per tiny in-place add, not waiting for the device (a GPU's queue holds them)."""
+    x = torch.zeros(1, device=device)
+    for _ in range(20):
+        x.add_(1)
+    _synchronize(device)
+    started = time.perf_counter()
+    for _ in range(launches):
+        x.add_(1)
+    seconds = (time.perf_counter() - started) / launches
+    _synchronize(device)
+    return seconds
+
+
+def _matmul(device, dtype) -> Iterator:
+    shapes = [(n, n, n) for n in (256, 512, 1024, 2048, 4096, 8192)]
+    shapes += [(t, n, k) for t in (2048, 8192, 32768) for n, k in ((768, 768), (3072, 768), (768, 3072))]
+    for m, n, k in sorted(shapes, key=lambda s: s[0] * s[1] * s[2]):
+        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+        moved = (m * k + k * n + m * n) * a.element_size()
+        yield {"shape": [m, n, k], "flops": 2 * m * n * k, "bytes": moved}, lambda a=a, b=b: torch.mm(a, b)
+
+
+def _attention(device, dtype) -> Iterator:
+    cases = [(seq, head) for seq in (256, 512, 1024, 2048, 4096, 8192) for head in (64, 128)]
+    for seq, head in sorted(cases):
+        batch, heads = max(1, 8192 // seq), 2048 // head  # 8192 tokens of width 2048 a call
+        q, k, v = (torch.randn(batch, heads, seq, head, device=device, dtype=dtype) for _ in range(3))
+        row = {
+            "shape": [batch, heads, seq, head],
+            "flops": sdpa_flop_count(q.shape, k.shape, v.shape),
+            "bytes": 4 * q.numel() * q.element_size(),
+            "kernel": attention_kernel(q, k, v, None) if device.type == "cuda" else "cpu",
+        }
+        yield row, lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _conv(device, dtype) -> Iterator:
+    # (batch, in channels, size, out channels, kernel, stride): ResNet-50's stem and stages
+    layers = [
+        (32, 3, 224, 64, 7, 2),
+        (32, 64, 56, 64, 3, 1),
+        (32, 256, 56, 64, 1, 1),
+        (32, 128, 28, 128, 3, 1),
+    ]
+    layers += [(32, 256, 14, 256, 3, 1), (32, 512, 7, 512, 3, 1)]
+    for batch, cin, size, cout, kernel, stride in layers:
+        x = torch.randn(batch, cin, size, size, device=device, dtype=dtype)
+        w = torch.randn(cout, cin, kernel, kernel, device=device, dtype=dtype)
+        out = F.conv2d(x, w, stride=stride, padding=kernel // 2)
+        moved = (x.numel() + w.numel() + out.numel()) * x.element_size()
+        row = {"shape": list(x.shape) + list(w.shape), "flops": conv_flop_count(x.shape, w.shape, out.shape)}
+        yield (
+            row | {"bytes": moved},
+            lambda x=x, w=w, s=stride, p=kernel // 2: F.conv2d(x, w, stride=s, padding=p),
+        )
+
+
+def _elementwise(device, dtype) -> Iterator:
+    for exponent in range(14, 29, 2):  # 16 K to 256 M elements
+        a = torch.randn(2**exponent, device=device, dtype=dtype)
+        b = torch.empty_like(a)
+        yield (
+            {"shape": [a.numel()], "bytes": 2 * a.numel() * a.element_size()},
+            lambda a=a, b=b: torch.mul(a, 2.0, out=b),
+        )
+
+
+def _reduction(device, dtype) -> Iterator:
+    for exponent in range(14, 29, 2):
+        a = torch.randn(2**exponent, device=device, dtype=dtype)
+        yield {"shape": [a.numel()], "bytes": a.numel() * a.element_size()}, lambda a=a: a.sum()
+
+
+def _adamw(device, kind: str) -> Iterator:
+    for millions in (1, 4, 16, 64, 256):
+        params = [torch.zeros(min(4, millions) * 2**20, device=device) for _ in range(max(1, millions // 4))]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer = torch.optim.AdamW(params, lr=1e-4, **{kind: True})
+        count = sum(p.numel() for p in params)
+        yield (
+            {"shape": [len(params), params[0].numel()], "params": count, "bytes": ADAM_BYTES * count},
+            optimizer.step,
+        )
+
+
+def measure(device: torch.device, budget_s: float) -> dict:
+    """The profile's figures: {"launch_s", "results": [{"kind", "dtype", "shape", "flops", "bytes",
+    "seconds", ...}]}, each section within its share of `budget_s`."""
+    dtypes = ["bf16", "fp16", "fp32"] if device.type == "cuda" else ["fp32", "bf16"]
+    launch_s = launch_seconds(device)
+    sections = [
+        (kind, dtype, lambda k=kind, d=dtype: CASES[k](device, DTYPES[d]))
+        for kind in CASES
+        for dtype in dtypes
+    ]
+    sections += [(f"adamw_{kind}", "fp32", lambda k=kind: _adamw(device, k)) for kind in ("foreach", "fused")]
+    results = []
+    for kind, dtype, cases in sections:
+        share = budget_s * SHARES[kind.split("_")[0]] / (len(dtypes) if kind in CASES else 2)
+        started = case_started = time.perf_counter()
+        try:
+            for row, fn in cases():
+                seconds = seconds_per_call(fn, device, target_s=min(0.02, share / 20))
+                results.append({"kind": kind, "dtype": dtype, **row, "seconds": seconds})
+                now = time.perf_counter()
+                if now - started + GROWTH * (now - case_started) > share:
+                    break  # the next, larger case would overrun the section's share
+                case_started = now
+        except (RuntimeError, torch.OutOfMemoryError) as error:  # a dtype or size this device refuses
+            results.append({"kind": kind, "dtype": dtype, "error": str(error).splitlines()[0][:200]})
+        finally:
+            _synchronize(device)
+    return {"launch_s": launch_s, "results": results}
+
+
+CASES = {
+    "matmul": _matmul,
+    "attention": _attention,
+    "conv": _conv,
+    "elementwise": _elementwise,
+    "reduction": _reduction,
+}
+
+
+def hardware(device: torch.device) -> dict:
+    """The device's name and driver (the GPU's, through NVML), and the host's CPU."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    found = {"name": cpu, "cpu": cpu}
+    if device.type == "cuda":
+        found["name"] = torch.cuda.get_device_name(device)
+        found["memory_gib"] = torch.cuda.get_device_properties(device).total_memory / 2**30
+        found["cuda"] = torch.version.cuda
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            found["driver"] = pynvml.nvmlSystemGetDriverVersion()
+        except Exception as error:  # no NVML: the name is still torch's
+            found["driver"] = f"unknown ({type(error).__name__})"
+    return found
+
+
+def write_profile(path: Path, device: str, budget_s: float, command: str) -> Path:
+    """Measure `device` ("cuda" or "cpu") within `budget_s` and write the profile, with its hardware,
+    versions, date and command."""
+    where = torch.device(device)
+    started = time.perf_counter()
+    figures = measure(where, budget_s)
+    content = {
+        "kind": FILE_KIND,
+        "device": where.type,
+        "hardware": hardware(where),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "versions": {"python": platform.python_version(), "torch": str(torch.__version__)},
+        "command": command,
+        "budget_s": budget_s,
+        "seconds": time.perf_counter() - started,
+        **figures,
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(content, indent=1) + "\n")
+    return path

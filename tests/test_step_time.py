@@ -1,0 +1,134 @@
+"""The speed of a grid point before running (issue 67): the profile command's micro-benchmarks on the CPU,
+the roofline step-time model (measure/step_time.py) on hand numbers, the profile file it reads
+(measure/gpu_profile.py), and estimate's columns from a traced tiny GPT-2."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pytest
+
+import ray_zero
+from ray_zero.__main__ import main
+from ray_zero.config import ConfigError
+from ray_zero.measure.gpu_profile import FILE_KIND, profile_from, read_profile
+from ray_zero.measure.step_time import OpCost, op_seconds, predict_step
+
+TINY_GPT2 = ["model_config.n_layer=2", "model_config.n_embd=64", "model_config.n_head=4", "seq_len=128"]
+
+
+def _row(kind, dtype, size, seconds, **extra):
+    """One timed call of `size` (FLOPs, bytes or parameters, by kind) in `seconds`."""
+    key = {"adamw_foreach": "params", "elementwise": "bytes", "reduction": "bytes"}.get(kind, "flops")
+    return {"kind": kind, "dtype": dtype, "shape": [], "flops": 0, "bytes": 0, key: size, "seconds": seconds}
+
+
+def _content(launch_s=10e-6, rows=None) -> dict:
+    rows = rows or [
+        _row("matmul", "bf16", 1e9, 1e9 / 100e12),  # 100 TFLOP/s at 1 GFLOP a call
+        _row("matmul", "bf16", 1e12, 1e12 / 400e12),  # 400 TFLOP/s at 1 TFLOP a call
+        _row("elementwise", "bf16", 1e6, 1e6 / 1e12),  # 1 TB/s at 1 MB
+        _row("elementwise", "bf16", 1e9, 1e9 / 2e12),  # 2 TB/s at 1 GB
+        _row("adamw_foreach", "fp32", 1e6, 1e6 / 1e9),
+        _row("adamw_foreach", "fp32", 1e8, 1e8 / 1e10),
+    ]
+    gpu = {"hardware": {"name": "a GPU"}, "date": "today"}
+    return {"kind": FILE_KIND, **gpu, "launch_s": launch_s, "results": rows}
+
+
+def test_the_profiles_rates_are_read_log_linearly_and_stand_in_for_kinds_not_measured():
+    profile = profile_from(_content(), "hand")
+    assert profile.rate("matmul", "bf16", 1e9) == pytest.approx(100e12)
+    assert profile.rate("matmul", "bf16", 10**10.5) == pytest.approx(250e12)  # halfway in log size
+    assert profile.rate("matmul", "bf16", 1e15) == pytest.approx(400e12)  # beyond: the nearest end
+    assert profile.rate("conv", "bf16", 1e12) == pytest.approx(400e12)  # no conv measured: matmul's
+    assert profile.rate("attention", "fp16", 1e9) == pytest.approx(100e12)  # nor fp16: bf16's
+    assert profile.rate("reduction", "fp32", 1e9) == pytest.approx(2e12)  # elementwise's bandwidth
+    with pytest.raises(ConfigError, match="no adamw_fused figures"):
+        profile.rate("adamw_fused", "fp32", 1e6)
+
+
+def test_each_kernel_takes_the_larger_of_its_flops_and_its_bytes_term():
+    profile = profile_from(_content(), "hand")
+    big = OpCost("matmul", "bf16", count=2, flops=2e12, bytes=2e9)  # 5 ms of FLOPs, 1 ms of bytes
+    assert op_seconds(big, profile) == pytest.approx((5e-3, 0.0))
+    skinny = OpCost("matmul", "bf16", count=1, flops=1e9, bytes=1e9)  # 10 us of FLOPs, 0.5 ms of bytes
+    assert op_seconds(skinny, profile) == pytest.approx((0.0, 0.5e-3))
+    adds = OpCost("elementwise", "bf16", count=10, flops=0, bytes=1e7)  # 1 MB a call at 1 TB/s
+    assert op_seconds(adds, profile) == pytest.approx((0.0, 10e-6))
+
+    step = predict_step([big, skinny, adds], profile, stepped_params=1e8, accumulation=2)
+    assert (step.compute_s, step.memory_s) == pytest.approx((5e-3, 0.51e-3))
+    assert step.launches == 13 and step.host_s == pytest.approx(130e-6)
+    assert step.optimizer_s == pytest.approx(10e-3)  # 1e8 parameters at 1e10 a second
+    assert step.step_s == pytest.approx(2 * 5.51e-3 + 10e-3) and step.bound == "compute"
+    assert step.samples_per_s(micro_batch=4, workers=2) == pytest.approx(2 * 4 * 2 / 21.02e-3)
+    assert predict_step([skinny], profile).bound == "memory"
+
+
+def test_a_step_of_many_tiny_kernels_takes_the_hosts_time():
+    profile = profile_from(_content(launch_s=10e-6), "hand")
+    tiny = OpCost("elementwise", "bf16", count=1000, flops=0, bytes=1e6)  # 1 us on the device in all
+    step = predict_step([tiny], profile)
+    assert step.device_s == pytest.approx(1e-6) and step.host_s == pytest.approx(10e-3)
+    assert step.step_s == pytest.approx(10e-3) and step.bound == "host"
+
+
+def test_the_profile_command_measures_every_kernel_class_on_the_cpu_within_its_budget(
+    tmp_path, capsys, monkeypatch
+):
+    output = tmp_path / "cpu.json"
+    args = ["profile", "--device", "cpu", "--budget-s", "5", "--output", str(output)]
+    monkeypatch.setattr(sys, "argv", ["ray_zero", *args])  # the command the file records
+    started = time.perf_counter()
+    assert main(args) == 0
+    assert time.perf_counter() - started < 20
+    content = json.loads(output.read_text())
+    assert content["kind"] == FILE_KIND and content["device"] == "cpu" and content["seconds"] < 10
+    assert content["hardware"]["name"] and content["versions"]["torch"] and content["date"]
+    assert content["command"].startswith("python -m ray_zero profile --device cpu")
+    assert content["budget_s"] == 5
+    assert 1e-8 < content["launch_s"] < 1e-3  # an eager add costs microseconds of the host
+    rows = [r for r in content["results"] if "seconds" in r]
+    kinds = {r["kind"] for r in rows}
+    assert kinds >= {"matmul", "attention", "conv", "elementwise", "reduction", "adamw_foreach"}
+    assert all(r["seconds"] > 0 for r in rows)
+    profile = read_profile(output)
+    assert 1e8 < profile.rate("matmul", "fp32", 1e9) < 1e13  # a 2-core CPU: GFLOP/s, not TFLOP/s
+    assert 1e8 < profile.rate("elementwise", "fp32", 1e6) < 1e12
+    assert f"written to {output}" in capsys.readouterr().out
+
+
+def _profile_file(tmp_path, launch_s: float):
+    """One rate for every kind (no size dependence): the step's time is its sums over the rates."""
+    rows = [_row(kind, dtype, 1e9, 1e9 / 1e12) for kind in ("matmul", "attention", "elementwise")
+            for dtype in ("bf16", "fp32")]  # fmt: skip
+    rows.append(_row("adamw_foreach", "fp32", 1e8, 1e8 / 1e10))
+    path = tmp_path / f"profile-{launch_s}.json"
+    path.write_text(json.dumps(_content(launch_s, rows)))
+    return path
+
+
+def test_estimate_with_a_profile_predicts_each_points_step_and_what_bounds_it(tmp_path, capsys):
+    grid = dict(overrides=TINY_GPT2, stages=[0], workers=[1, 2], micro_batch_size=[2, 4], precision="bf16")
+    slow_host = ray_zero.estimate("hf:gpt2", profile=_profile_file(tmp_path, 1e-3), **grid).table
+    # 1 ms a launch: the host sets every step, the same launches at either micro-batch
+    assert set(slow_host["bound"]) == {"host"}
+    steps = slow_host.set_index(["micro_batch", "workers"])["step_ms"]
+    assert steps[(2, 1)] == pytest.approx(steps[(4, 1)]) and steps[(2, 1)] > 100  # over 100 kernels
+    fast_host = ray_zero.estimate("hf:gpt2", profile=_profile_file(tmp_path, 1e-9), **grid).table
+    assert set(fast_host["bound"]) <= {"compute", "memory"}
+    by = fast_host.set_index(["micro_batch", "workers"])
+    # twice the samples: about twice the kernels' FLOPs and activations' bytes (the weights' bytes stay)
+    assert 1.3 < by.loc[(4, 1), "step_ms"] / by.loc[(2, 1), "step_ms"] < 2.05
+    rate = by["predicted_samples_per_s"]
+    assert rate[(2, 2)] == pytest.approx(2 * rate[(2, 1)])  # stage 0: each rank steps every parameter
+    assert rate[(2, 1)] == pytest.approx(2 / (by.loc[(2, 1), "step_ms"] / 1e3))
+
+    args = ["estimate", "--model", "hf:gpt2", *(x for s in TINY_GPT2 for x in ("--set", s)), "--stages", "0"]
+    assert main([*args, "--workers", "1", "--profile", str(_profile_file(tmp_path, 1e-3))]) == 0
+    printed = capsys.readouterr().out
+    assert "step_ms" in printed and "predicted_samples_per_s" in printed and " host" in printed
+    assert "Not counted yet: communication" in printed
