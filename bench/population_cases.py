@@ -9,7 +9,7 @@ on the CPU (the meta device): a child of bench/population_gpu.py calls it before
   in sub-configurations too) cut by one fraction until it is at most that.
 - The micro-batch: the largest of 1, 2, 4, ..., 256 whose traced step (DeepSpeed's bf16 form, no
   checkpointing: the largest of the forms run) rises at most `target` bytes above what was allocated
-  before it, with its own gradients; at least 1.
+  before it, with its own gradients; at least 1 (2 where the step could not be traced).
 """
 
 from __future__ import annotations
@@ -248,9 +248,10 @@ def choose_micro_batch(source, target_bytes: float) -> dict[str, Any]:
         from ray_zero.models.source import one_line
 
         why = f"; the trace stopped: {one_line(error)[:300]}"
-    if chosen is None:
-        why = f"1 (none traced within the target){why}"
-        return {"micro_batch": 1, "tried": tried, "micro_batch_why": why}
+    if chosen is None:  # untraced: 2, as the one-sample count takes (BatchNorm refuses 1 sample a channel)
+        smallest = 2 if why else 1
+        why = f"{smallest} (none traced within the target){why}"
+        return {"micro_batch": smallest, "tried": tried, "micro_batch_why": why}
     capped = chosen == SIZES[-1] and tried[-1][0] == chosen
     rule = f"the largest of 1-{SIZES[-1]} whose traced bf16 step rises at most {target_bytes / GIB:.3g} GiB"
     return {

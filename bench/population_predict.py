@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     if args.again:
         sink.unlink(missing_ok=True)
     done = {record["family"] for record in read_records(sink)}
-    records = read_records(args.output / "population.jsonl")
+    latest = {r["family"]: r for r in read_records(args.output / "population.jsonl")}  # a rerun's line wins
+    records = list(latest.values())
     command = " ".join(["python", "bench/population_predict.py", *(sys.argv[1:] if argv is None else argv)])
     provenance = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": command,
                   "machine": machine(), **versions(("torch", "transformers", "timm"))}  # fmt: skip
