@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import platform
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -155,3 +156,14 @@ def publish(output_dir: Path, storage: str) -> None:
     for path in sorted(output_dir.iterdir()):
         if path.name in PUBLISHED or path.suffix == ".png":
             fs.copy_files(str(path), f"{target}/{path.name}", destination_filesystem=filesystem)
+
+
+def cpu_name() -> str:
+    """The host's CPU model, as provenance names it (/proc/cpuinfo; else the platform's words)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return cpu

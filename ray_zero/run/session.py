@@ -36,6 +36,7 @@ from ray_zero.store import (
     TRIALS_FILE,
     append_trial,
     atomic_write,
+    cpu_name,
     load_trials,
     publish,
     read_provenance,
@@ -102,12 +103,7 @@ def check_output_dir(output_dir: Path, resume: bool = False) -> None:
 def provenance(experiment: Experiment, cluster: Cluster, plan: Plan, command: str) -> dict[str, Any]:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     gpu = (
         f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
         if torch.cuda.is_available()

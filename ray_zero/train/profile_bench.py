@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import conv_flop_count, sdpa_flop_count
 
 from ray_zero.measure.gpu_profile import FILE_KIND
+from ray_zero.store import cpu_name
 from ray_zero.train.cuda_kernels import attention_kernel
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -210,12 +211,7 @@ CASES = {
 
 def hardware(device: torch.device) -> dict:
     """The device's name and driver (the GPU's, through NVML), and the host's CPU."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     found = {"name": cpu, "cpu": cpu}
     if device.type == "cuda":
         found["name"] = torch.cuda.get_device_name(device)
