@@ -65,7 +65,8 @@ def main(argv=None) -> int:
     sink = args.output / PREDICTED
     if args.again:
         sink.unlink(missing_ok=True)
-    done = {record["family"] for record in read_records(sink)}
+    # --again: every family anew (lines kept gzipped stay; the newest line of a family is the one read)
+    done = set() if args.again else {record["family"] for record in read_records(sink)}
     latest = {r["family"]: r for r in read_records(args.output / "population.jsonl")}  # a rerun's line wins
     records = list(latest.values())
     command = " ".join(["python", "bench/population_predict.py", *(sys.argv[1:] if argv is None else argv)])

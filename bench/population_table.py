@@ -31,14 +31,12 @@ def class_of(record: dict) -> str:
 
 
 def read_records(path: Path) -> list[dict]:
-    """A .jsonl file's records, or its kept .jsonl.gz's (bench/records.py population)."""
+    """A .jsonl file's records after its kept .jsonl.gz's (bench/records.py population): a part run in a
+    kept folder appends to the plain file, and both count."""
     kept = path.with_name(path.name + ".gz")
-    if not path.is_file() and kept.is_file():
-        text = gzip.decompress(kept.read_bytes()).decode()
-    elif path.is_file():
-        text = path.read_text()
-    else:
-        return []
+    text = gzip.decompress(kept.read_bytes()).decode() if kept.is_file() else ""
+    if path.is_file():
+        text += "\n" + path.read_text()
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 

@@ -13,7 +13,9 @@ packed into one .tar.gz each (`tar xzf` to read them again).
 
 The GPU population (hundreds of families, a run folder each) is kept as its records alone: population.jsonl,
 ops.jsonl and predicted.jsonl gzipped, and every family's rows (its trials.jsonl, each row with its
-family) in one rows.jsonl.gz; the run folders stay out of git.
+family) in one rows.jsonl.gz; the run folders stay out of git. To add parts in a fresh checkout, seed the
+run folder with the kept files (`mkdir -p runs/population-h100 && cp bench/results/population-h100/*
+runs/population-h100/`): the driver skips the families kept there, and keeping the folder again merges.
 """
 
 from __future__ import annotations
@@ -72,23 +74,37 @@ def keep(folder: Path) -> list[str]:
 
 
 def keep_population(run: Path, dest: Path) -> list[str]:
-    """bench/population_gpu.py's output folder `run` kept in `dest` as its records (module docstring)."""
+    """bench/population_gpu.py's output folder `run` kept in `dest` as its records (module docstring). A
+    `run` seeded with kept records (their .gz files copied in, to resume in a fresh checkout) keeps them
+    too: its records are the kept ones and the lines appended since, and rows.jsonl.gz keeps the families
+    whose run folders are not there."""
     import json
+
+    from population_table import read_records
 
     dest.mkdir(parents=True, exist_ok=True)
     done = []
-    for name in ("population.jsonl", "ops.jsonl", "predicted.jsonl", "gpu.txt"):
-        if (run / name).is_file():
-            data = (run / name).read_bytes()
-            target = dest / (name if name.endswith(".txt") else name + ".gz")
-            target.write_bytes(data if name.endswith(".txt") else gzip.compress(data, 9, mtime=0))
+    for name in ("population.jsonl", "ops.jsonl", "predicted.jsonl"):
+        records = read_records(run / name)
+        if records:
+            target = dest / (name + ".gz")
+            text = "".join(json.dumps(record) + "\n" for record in records)
+            target.write_bytes(gzip.compress(text.encode(), 9, mtime=0))
             done.append(f"kept {target}")
+    if (run / "gpu.txt").is_file():
+        (dest / "gpu.txt").write_bytes((run / "gpu.txt").read_bytes())
+        done.append(f"kept {dest / 'gpu.txt'}")
+    folders = sorted(run.glob("*/trials.jsonl"))
+    here = {trials.parent.name for trials in folders}
     rows = []
-    for trials in sorted(run.glob("*/trials.jsonl")):
+    if (run / "rows.jsonl.gz").is_file():  # seeded: the kept families not run again
+        kept = gzip.decompress((run / "rows.jsonl.gz").read_bytes()).decode().splitlines()
+        rows = [line for line in kept if line.strip() and json.loads(line)["family_folder"] not in here]
+    for trials in folders:
         for row in trials.read_text().splitlines():
             rows.append(json.dumps({"family_folder": trials.parent.name, **json.loads(row)}))
     (dest / "rows.jsonl.gz").write_bytes(gzip.compress(("\n".join(rows) + "\n").encode(), 9, mtime=0))
-    families = len(list(run.glob("*/trials.jsonl")))
+    families = len({json.loads(row)["family_folder"] for row in rows})
     done.append(f"kept {len(rows)} rows of {families} families in {dest / 'rows.jsonl.gz'}")
     return done
 
