@@ -71,7 +71,7 @@ def test_estimate_fits_only_with_the_band_the_reserve_and_the_context():
     found = ray_zero.estimate("hf:gpt2", gpu_gib=100, **TINY_GPT2)
     peak = float(found.table["peak_gib"].iloc[0])
     band = error_band.band_for("Transformers text", None)
-    needed = error_band.needed_gib(peak, band)
+    needed = error_band.needed_gib(band.high_gib(peak))
     assert found.rows[0]["band_class"] == "Transformers text" and "Error band of the peak" in found.head
     assert float(found.table["peak_high_gib"].iloc[0]) == pytest.approx(band.high_gib(peak))
     # A GPU that holds the predicted peak but not its upper end, reserve and context is no fit.

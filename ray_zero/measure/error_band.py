@@ -76,10 +76,10 @@ class Band:
         return text + (f"; widened x{WIDEN:g}: {self.widened})" if self.widened else ")")
 
 
-def needed_gib(peak_gib: float, band: Band) -> float:
-    """A GPU's memory the step needs: the peak at the band's upper end, the allocator's reserve and the
-    CUDA context."""
-    return band.high_gib(peak_gib) * (1 + RESERVE_FRACTION) + CONTEXT_GIB
+def needed_gib(high_gib: float) -> float:
+    """A GPU's memory the step needs: the peak at its band's upper end (Band.high_gib; a row's
+    predicted_peak_high_gib), the allocator's reserve and the CUDA context."""
+    return high_gib * (1 + RESERVE_FRACTION) + CONTEXT_GIB
 
 
 def class_of(kind: Optional[str], task: Optional[str]) -> str:

@@ -115,7 +115,7 @@ def estimate(
         )
         row = trial_row(spec)
         rows.append(row | band_fields(row, gpu))
-    table = pd.DataFrame([_line(row, gpu_gib, gpu) for row in rows])
+    table = pd.DataFrame([_line(row, gpu_gib) for row in rows])
     if speeds:
         table = pd.concat([table, pd.DataFrame(speeds)], axis=1)
     for field in VARYING:
@@ -151,7 +151,7 @@ def _speed_head(profile: Profile) -> str:
     )
 
 
-def _line(row: dict, gpu_gib: Optional[float], gpu: Optional[str]) -> dict:
+def _line(row: dict, gpu_gib: Optional[float]) -> dict:
     line = {
         "backend": row["backend"],
         "stage": row["stage"],
@@ -172,9 +172,8 @@ def _line(row: dict, gpu_gib: Optional[float], gpu: Optional[str]) -> dict:
     line["peak_gib"] = peak if peak is not None else float("nan")
     line["peak_high_gib"] = row.get("predicted_peak_high_gib", float("nan"))
     if gpu_gib is not None:
-        if peak is not None:
-            band = error_band.band_for(row["band_class"], gpu)
-            needed = error_band.needed_gib(peak, band)
+        if peak is not None:  # the band's upper end as the row carries it (checked against `gpu`)
+            needed = error_band.needed_gib(row["predicted_peak_high_gib"])
         else:  # no activation term: the model states and buckets at least
             needed = row["predicted_model_state_gib"] + (line["buckets_gib"] or 0)
         line[f"fits_{gpu_gib:g}_gib"] = "yes" if needed <= gpu_gib else "no"
