@@ -88,18 +88,25 @@ def given(busbw_gbps: float) -> Bandwidth:
     return Bandwidth(f"busbw {busbw_gbps:g} GB/s as given", constant=busbw_gbps)
 
 
+def read_command_file(path: Path, command: str, kind: str) -> dict:
+    """The JSON a `python -m ray_zero COMMAND` wrote (its "kind" says so), given as --COMMAND PATH; one
+    ConfigError line where it cannot be read or is another file."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"--{command} {path}: cannot read it ({error}); give a file of `python -m ray_zero {command}`"
+        ) from None
+    if not isinstance(data, dict) or data.get("kind") != kind:
+        raise ConfigError(f"--{command} {path}: not a file of `python -m ray_zero {command}`")
+    return data
+
+
 def read_bandwidth(path: Path, label: Optional[str] = None) -> Bandwidth:
     """A `python -m ray_zero bandwidth` file: {"kind": FILE_KIND, "workers", "backend", "where",
     "results": [{"collective", "bytes", "time_s", "algbw_gbps", "busbw_gbps"}, ...], ...}."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise ConfigError(
-            f"--bandwidth {path}: cannot read it ({error}); give a file of `python -m ray_zero bandwidth`"
-        ) from None
-    if not isinstance(data, dict) or data.get("kind") != FILE_KIND:
-        raise ConfigError(f"--bandwidth {path}: not a file of `python -m ray_zero bandwidth`")
+    data = read_command_file(path, "bandwidth", FILE_KIND)
     curves: dict[str, list[tuple[int, float]]] = {}
     for entry in data.get("results", []):
         curves.setdefault(entry["collective"], []).append((int(entry["bytes"]), float(entry["busbw_gbps"])))

@@ -11,13 +11,12 @@ Between measured sizes the rate is log-linear in the size; beyond them, the near
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from ray_zero.config import ConfigError
-from ray_zero.measure.bandwidth import log_linear
+from ray_zero.measure.bandwidth import log_linear, read_command_file
 
 FILE_KIND = "ray_zero gpu profile"
 COMPUTE = ("matmul", "attention", "conv")
@@ -82,13 +81,5 @@ def profile_from(content: dict, source: str) -> Profile:
 
 def read_profile(path: Path, label: Optional[str] = None) -> Profile:
     """A `python -m ray_zero profile` file."""
-    path = Path(path)
-    try:
-        content = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise ConfigError(
-            f"--profile {path}: cannot read it ({error}); give a file of `python -m ray_zero profile`"
-        ) from None
-    if not isinstance(content, dict) or content.get("kind") != FILE_KIND:
-        raise ConfigError(f"--profile {path}: not a file of `python -m ray_zero profile`")
+    content = read_command_file(path, "profile", FILE_KIND)
     return profile_from(content, label or str(path))
