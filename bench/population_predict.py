@@ -52,6 +52,7 @@ def predict_family(record: dict) -> dict:
             "activation_source": row.get("activation_source"),
             "attention": row.get("trace_attention"),
             "predicted_data_gib": row.get("predicted_data_gib"),
+            "predicted_activation_gib": row.get("predicted_activation_gib"),
         }
     return {"family": record["family"], "forms": forms}
 

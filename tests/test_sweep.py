@@ -297,3 +297,22 @@ def test_report_rerenders_without_ray(quick, capsys):
         and (output / "memory.png").is_file()
     )
     pd.testing.assert_frame_equal(pd.read_csv(output / "results.csv"), before)
+
+
+def test_the_sweeps_log_hands_each_engines_largest_miss_to_the_trials_after_it(ray_instance):
+    # Issue 65 item 4 through Ray: trial drivers post a miss (run/trial.py) and read the corrections back
+    # from the sweep's log actor as they start.
+    from ray_zero.measure.correction import Correction
+    from ray_zero.run.trial_log import trial_log
+
+    log = trial_log("ray_zero_log_corrections_test")
+    try:
+        for trial, scale in (("stage1_mb8_w1", 1.3), ("stage1_mb16_w1", 1.6), ("stage3_mb16_w1", 1.1)):
+            ray_instance.get(log.missed.remote(Correction(trial, ("deepspeed", False), 1.1, scale, "")))
+        ray_instance.get(log.missed.remote(Correction("fsdp_stage3_mb8_w1", ("fsdp", False), 1.2, 2.0, "")))
+        found = ray_instance.get(log.corrections.remote())
+        assert found.for_row({"backend": "deepspeed"}).trial == "stage1_mb16_w1"
+        assert found.for_row({"backend": "fsdp"}).scale == 2.0
+        assert found.for_row({"backend": "deepspeed", "activation_checkpointing": True}) is None
+    finally:
+        ray_instance.kill(log)

@@ -30,6 +30,9 @@ class TrialSpec:
     gpu_share: float = 1.0
     """The share of one GPU each of the trial's workers reserves (a fractional GPU in Ray's resources):
     under 1 when it starts beside other trials on one GPU (ray_zero/run/gpu_sharing.py)."""
+    gpu_room: Any = None
+    """What the shares of its GPU were made in (a gpu_sharing.Room): a trial corrected at its start
+    (ray_zero/measure/correction.py) takes its share there again; None: not sharing a GPU."""
     label: str = ""
     """A suffix that tells two trials of one point apart (`fit` times its answer again: "timed")."""
     activations: Any = None

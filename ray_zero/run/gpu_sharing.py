@@ -14,7 +14,9 @@ activations where calibration.json has them; before calibration (its own trials,
 starts beside them) from the meta-device count of autograd's saved bytes (ModelInfo), an upper bound,
 doubled for the allocator's temporaries. A point whose peak nears the device's memory, or that the model
 cannot predict, runs alone: a share of 1. A trial that runs out of memory while sharing is run again
-alone (run/trial.py) before its row says `oom`.
+alone (run/trial.py) before its row says `oom`. A trial that starts after one of its engine measured a
+peak above its error band takes its share in the same room from its corrected need
+(ray_zero/measure/correction.py): the part of its step beyond the largest one set aside is added to it.
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class Need:
     peak: float
     basis: str
     """Where the peak comes from: the memory model's basis, or the uncalibrated upper bound."""
+    activation: float = 0.0
+    """The peak's activation term (what a correction scales: ray_zero/measure/correction.py)."""
 
 
 def memory_need(
@@ -90,7 +94,37 @@ def memory_need(
         + prediction.data_bytes
         + float(row.get("param_bytes") or 0)
     )
-    return Need(min(resident, peak), peak, basis)
+    return Need(min(resident, peak), peak, basis, prediction.activation_bytes or 0.0)
+
+
+@dataclass(frozen=True)
+class Room:
+    """What the shares on a GPU were made in: its usable bytes, the largest step above a resident set aside
+    for the one trial at its peak, and the smallest share (1 / max_per_gpu)."""
+
+    usable: float
+    step: float
+    floor: float
+
+    @property
+    def left(self) -> float:
+        """The usable bytes left for the residents, the largest step set aside."""
+        return self.usable - self.step
+
+    def share(self, need: Need, num_workers: int) -> float:
+        """A trial's share: its resident bytes (and context) over what is left, and the part of its own
+        step beyond the largest one set aside (a corrected need's); 1.0 (alone) near the GPU's memory."""
+        peak = RESERVED_FACTOR * need.peak + CONTEXT_BYTES
+        resident = RESERVED_FACTOR * need.resident + CONTEXT_BYTES
+        if peak > ALONE_ABOVE * self.usable or self.left <= 0:
+            return 1.0
+        beyond = max(peak - resident - self.step, 0.0)
+        share = max(math.ceil((resident + beyond) / self.left / SHARE_STEP) * SHARE_STEP, self.floor)
+        if num_workers > 1:
+            # Ray may put two workers of one trial on one GPU when their shares fit together there;
+            # over half a GPU each, two never do.
+            share = max(share, 0.5 + SHARE_STEP)
+        return 1.0 if share >= 1.0 - SHARE_STEP else round(share, 4)
 
 
 @dataclass(frozen=True)
@@ -101,6 +135,8 @@ class Sharing:
     """Trial name -> the share of one GPU each of its workers reserves (1.0: it runs alone)."""
     at_once: int
     """Trials that can hold GPUs at once, at most."""
+    room: Optional[Room] = None
+    """What the shares were made in (a trial corrected later takes its share in the same room)."""
 
     def describe(self, gpus: int) -> str:
         alone = sum(share >= 1.0 for share in self.shares.values())
@@ -122,22 +158,31 @@ def gpu_shares(
     peak = {n: RESERVED_FACTOR * need.peak + CONTEXT_BYTES for n, need in needs.items() if need}
     resident = {n: RESERVED_FACTOR * need.resident + CONTEXT_BYTES for n, need in needs.items() if need}
     shared = [n for n in needs if n in peak and peak[n] <= ALONE_ABOVE * usable]
-    step = max((peak[n] - resident[n] for n in shared), default=0.0)
-    room = usable - step
     # At most max_per_gpu on a GPU: no share below 1/max_per_gpu (rounded down: exactly that many fit).
     floor = math.floor(1 / max_per_gpu / SHARE_STEP) * SHARE_STEP
+    room = Room(usable, max((peak[n] - resident[n] for n in shared), default=0.0), floor)
     shares = {}
-    for name in needs:
-        share = 1.0
-        if name in shared and room > 0:
-            share = max(math.ceil(resident[name] / room / SHARE_STEP) * SHARE_STEP, floor)
-            if num_workers[name] > 1:
-                # Ray may put two workers of one trial on one GPU when their shares fit together there;
-                # over half a GPU each, two never do.
-                share = max(share, 0.5 + SHARE_STEP)
-            if share >= 1.0 - SHARE_STEP:
-                share = 1.0
-        shares[name] = round(share, 4)
+    for name, need in needs.items():
+        shares[name] = room.share(need, num_workers[name]) if name in shared else 1.0
     smallest = min(shares.values(), default=1.0)
     at_once = min(len(shares), gpus * max(1, math.floor(1 / smallest + 1e-9)))
-    return Sharing(shares, at_once)
+    return Sharing(shares, at_once, room)
+
+
+def corrected_share(
+    row: dict,
+    room: Room,
+    share: float,
+    correction,
+    calibration: Optional[dict],
+    saved_bytes_per_sample: Optional[int],
+    num_workers: int,
+) -> float:
+    """The share of a trial (its row: rows.trial_row) planned with `correction` (its engine's miss,
+    ray_zero/measure/correction.py) in the room its GPU's shares were made in; never below `share`."""
+    need = memory_need(row, calibration, saved_bytes_per_sample)
+    if need is None:
+        return share
+    peak = correction.peak(need.peak, need.activation)
+    corrected = Need(min(need.resident, peak), peak, need.basis, need.activation)
+    return max(share, room.share(corrected, num_workers))

@@ -27,9 +27,10 @@ import ray
 from ray.train import TrainingFailedError
 
 from ray_zero.config import is_calibration
-from ray_zero.measure import calibration
+from ray_zero.measure import calibration, correction
+from ray_zero.measure.correction import Corrections
 from ray_zero.measure.prediction import GIB
-from ray_zero.rows import aggregate_ranks, trial_row
+from ray_zero.rows import aggregate_ranks, finish_row, trial_row
 from ray_zero.run.trial import failure_fields, torch_trainer, train_environment
 from ray_zero.train.probing import RecordedProbe, SearchSpec, calibration_probes
 
@@ -170,6 +171,7 @@ def _row(search: SearchSpec, ranks: list[dict[str, Any]], started_at: float) -> 
     first = ranks[0]
     spec = _spec(search, first[search.field], first.get("label") or "")
     row = trial_row(spec)
+    row.update(correction.corrected_fields(row, search.correction))
     row.update(aggregate_ranks(ranks))
     oom = [r for r in ranks if r.get("probe_status") == "oom"]
     # wall_s: the probe's own time in its run (model, data, engine, steps), the slowest rank's
@@ -212,7 +214,8 @@ def drive_searches(
         if not left:
             return
         run = f"{key}-run{runs}"
-        current = [state.for_next_run() for state in left]
+        found = ray.get(log.corrections.remote())
+        current = [_planned(state.for_next_run(), found) for state in left]
         trainer = torch_trainer(
             search_loop,
             {"searches": current, "log": log, "log_key": key, "run": run},
@@ -259,6 +262,14 @@ def drive_searches(
         flying.ended = fields["status"] != "oom"  # any other failure ends that search
 
 
+def _planned(search: SearchSpec, corrections: Corrections) -> SearchSpec:
+    """A search not yet probed takes its engine's correction, if a probe before it missed its band."""
+    if search.done or search.correction is not None or search.target != "micro_batch":
+        return search
+    found = corrections.for_row(trial_row(search.spec))
+    return dataclasses.replace(search, correction=found) if found else search
+
+
 def _take_rows(log, key: str, states: dict[str, SearchState], started_at: float, record) -> int:
     reports = ray.get(log.take_reports.remote(key))
     for ranks in reports:
@@ -266,4 +277,7 @@ def _take_rows(log, key: str, states: dict[str, SearchState], started_at: float,
         row = _row(state.search, ranks, started_at)
         state.add(row)
         record(row)
+        missed = correction.from_row(finish_row(dict(row)))
+        if missed is not None:  # the searches of its engine not yet probed start from what it measured
+            log.missed.remote(missed)
     return len(reports)

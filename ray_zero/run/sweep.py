@@ -110,7 +110,9 @@ def shared(session: Session, specs: list[TrialSpec]) -> tuple[list[TrialSpec], O
             ray.cluster_resources().get("memory"),
         ),
     )
-    return [dataclasses.replace(s, gpu_share=sharing.shares[s.name]) for s in specs], sharing
+    return [
+        dataclasses.replace(s, gpu_share=sharing.shares[s.name], gpu_room=sharing.room) for s in specs
+    ], sharing
 
 
 def run_sweep(experiment: Experiment, output_dir: Path, model=None, **session_options):

@@ -31,7 +31,9 @@ from ray.train import (
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from ray_zero.config import TrialSpec
-from ray_zero.rows import aggregate_ranks, failed_row_fields, trial_row
+from ray_zero.measure import correction
+from ray_zero.rows import aggregate_ranks, failed_row_fields, finish_row, trial_row
+from ray_zero.run.gpu_sharing import corrected_share
 from ray_zero.run.watchdog import (
     keep_stacks_on_signal,
     lost_nodes,
@@ -230,7 +232,8 @@ def run_trial(config: dict[str, Any]) -> None:
     context = tune.get_context()
     trial_key = spec.name + context.get_trial_id()  # the trial log's key: built here only, passed on
     log = ray.get_actor(config["log_name"])
-    row = trial_row(spec)
+    spec, corrected = planned(spec, ray.get(log.corrections.remote()))
+    row = trial_row(spec) | corrected
     bound = trial_bound_s(spec)
     fit_started_at = time.time()
     impossible = unplaceable(spec)
@@ -291,7 +294,26 @@ def run_trial(config: dict[str, Any]) -> None:
             ]
     elif row["status"] == "ok":
         row.update(status="failed", error="no worker reported metrics")
+    missed = correction.from_row(finish_row(dict(row)))
+    if missed is not None:  # the later trials of its engine are planned with what it measured
+        log.missed.remote(missed)
     tune.report(_for_tune(row))
+
+
+def planned(spec: TrialSpec, corrections: correction.Corrections) -> tuple[TrialSpec, dict[str, Any]]:
+    """The trial as planned once the trials before it have run: where one of its engine measured a peak
+    above its band (ray_zero/measure/correction.py), its row says so and, on a shared GPU, its share is
+    made again from the corrected need."""
+    row = trial_row(spec)
+    found = corrections.for_row(row)
+    fields = correction.corrected_fields(row, found)
+    if not fields or spec.gpu_room is None or spec.gpu_share >= 1.0:
+        return spec, fields
+    saved = getattr(spec.model, "saved_bytes_per_sample", None)
+    share = corrected_share(
+        row, spec.gpu_room, spec.gpu_share, found, spec.calibration, saved, spec.point.num_workers
+    )
+    return dataclasses.replace(spec, gpu_share=share), fields
 
 
 def _fit(trainer: TorchTrainer, outcome: dict[str, Any]) -> None:

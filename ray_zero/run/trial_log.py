@@ -1,6 +1,7 @@
 """The sweep's record of its trials' ranks, one actor for the whole sweep (looked up by name): each rank's
 attempts, node and process, the phase it is in, the time it waited for its GPU's turn, every all-rank
-report, and which trials were stopped for running past their bound (ray_zero/run/watchdog.py)."""
+report, which trials were stopped for running past their bound (ray_zero/run/watchdog.py), and the
+corrections its trials' misses ask of the later ones (ray_zero/measure/correction.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any, Optional
 
 import ray
 
+from ray_zero.measure.correction import Correction, Corrections
 from ray_zero.train.turn import TURN_WAIT  # waiting for the GPU's turn: not counted against the bound
 
 
@@ -24,6 +26,7 @@ class TrialLog:
         self._ranks: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
         self._processes: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
         self._stopped: set[str] = set()
+        self._corrections = Corrections()
 
     def process_started(self, trial: str, node_id: str, pid: int) -> None:
         """A worker process of the trial started (Ray Train gives it a rank later): the trial's bound counts
@@ -107,6 +110,14 @@ class TrialLog:
         self._processes.pop(trial, None)
         self._stopped.discard(trial)
         return (reports[-1] if reports else None), max(starts.values(), default=0)
+
+    def missed(self, correction: Correction) -> None:
+        """A trial measured above its prediction's band: the later trials of its engine are planned with
+        the term it measured."""
+        self._corrections.add(correction)
+
+    def corrections(self) -> Corrections:
+        return self._corrections
 
     def take_reports(self, trial: str) -> list[list[dict]]:
         """Every all-rank report since the last call (a search reports once per probe), forgotten after."""

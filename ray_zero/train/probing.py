@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ray_zero.config import Experiment, TrialSpec
 from ray_zero.measure import calibration, error_band
+from ray_zero.measure.correction import Correction
 from ray_zero.measure.memory_model import predict_point
 from ray_zero.measure.prediction import GIB
 from ray_zero.measure.search import TARGETS, BracketSearch, Steps, largest_predicted_to_fit
@@ -85,6 +86,10 @@ class SearchSpec:
     predicted_peaks: tuple[tuple[int, float], ...] = ()
     """target seq_len on a GPU: the peaks (GiB) the driver predicted from steps traced at each length it
     tried (a length's step is its own trace, which the ranks do not make)."""
+    correction: Optional[Correction] = None
+    """Its engine's miss, seen before the search's first probe (ray_zero/measure/correction.py): the
+    first guess takes the term that trial measured. micro_batch searches only: a seq_len search's peaks
+    are traced before it starts, at the lengths its band's guess needs."""
 
     @property
     def field(self) -> str:
@@ -116,30 +121,43 @@ class SearchSpec:
     def needs_calibration(self) -> bool:
         return self.calibrate and self.calibration is None
 
-    def predicted_peak(self, value: int) -> Optional[float]:
-        """The memory model's peak (GiB) at `value` on a GPU: the point's traced step, else this search's
-        calibration, else the presets' shapes; None where it predicts none (CPU, or unknown). A seq_len:
-        the driver's prediction at that length, where it made one."""
+    def _predicted(self, value: int) -> tuple[Optional[float], Optional[float]]:
+        """The memory model's peak and activation term (GiB) at `value` on a GPU: the point's traced step,
+        else this search's calibration, else the presets' shapes; None where it predicts none (CPU, or
+        unknown). A seq_len: the driver's peak at that length, where it made one (no term)."""
         if not self.spec.use_gpu:
-            return None
+            return None, None
         if self.target == "seq_len":
-            return dict(self.predicted_peaks).get(value)
+            return dict(self.predicted_peaks).get(value), None
         calibrated = (
             {"bytes_per_sample": self.calibration, "seq_len": self.spec.point.seq_len}
             if self.calibration
             else None
         )
-        peak = predict_point(trial_row(self.at(value)), calibrated).peak_bytes
-        return None if peak is None else peak / GIB
+        prediction = predict_point(trial_row(self.at(value)), calibrated)
+        peak, activation = prediction.peak_bytes, prediction.activation_bytes
+        return (None if peak is None else peak / GIB), (None if activation is None else activation / GIB)
+
+    def predicted_peak(self, value: int) -> Optional[float]:
+        """The memory model's peak (GiB) at `value` on a GPU (`_predicted`)."""
+        return self._predicted(value)[0]
 
     def first_guess(self) -> Optional[int]:
         """Where the memory model puts the answer: the largest size whose predicted peak at its error
-        band's upper end (ray_zero/measure/error_band.py) is within the budget; None: the search starts at
-        the smallest size."""
+        band's upper end (ray_zero/measure/error_band.py), or corrected by its engine's miss where that is
+        higher, is within the budget; None: the search starts at the smallest size."""
         if not self.spec.use_gpu:
             return None
         band = error_band.band_for(error_band.class_of_info(self.spec.model))
-        return largest_predicted_to_fit(band.over(self.predicted_peak), self.budget_gib, self.steps)
+
+        def high(value: int) -> Optional[float]:
+            peak, activation = self._predicted(value)
+            if peak is None:
+                return None
+            corrected = self.correction.peak(peak, activation) if self.correction else peak
+            return max(band.high_gib(peak), corrected)
+
+        return largest_predicted_to_fit(high, self.budget_gib, self.steps)
 
 
 def calibration_probes(search: SearchSpec) -> list[TrialSpec]:
