@@ -12,6 +12,7 @@ python -m ray_zero bandwidth --workers 2                         # busbw between
 python -m ray_zero estimate --measured runs/X --bandwidth bandwidth.json   # samples/s at 1-8 workers
 python -m ray_zero profile --output h100.json                    # this GPU's kernel rates, <= 3 minutes
 python -m ray_zero estimate experiments/llama_1b.yaml --profile h100.json   # + step ms and samples/s
+python -m ray_zero estimate experiments/llama_1b.yaml --profile h100.json --busbw 360   # + communication
 python -m ray_zero keys                                          # every experiment key
 python -m ray_zero columns                                       # every column of the tables
 
@@ -189,7 +190,8 @@ def _parser() -> argparse.ArgumentParser:
         "--profile",
         type=Path,
         metavar="FILE",
-        help="a file of `python -m ray_zero profile`: each point's step ms, samples/s and what bounds it",
+        help="a file of `python -m ray_zero profile`: each point's step ms, samples/s, MFU and what bounds "
+        "it (with --bandwidth or --busbw: its exposed communication too)",
     )
     estimate.add_argument(
         "--calibration",

@@ -289,8 +289,9 @@ def estimate(
     reserve and the CUDA context. `gpu`: the GPU's name (h100, A100-SXM4-80GB; default: this machine's),
     whose architecture the band is checked against. With `measured` (a sweep's folder; its experiment when
     `model` is empty) and `bandwidth` (a file of `bandwidth`) or `busbw` (GB/s): `.speed`, samples/s at
-    each worker count. With `profile` (a file of `profile`): each point's step time, samples/s and what bounds
-    it on that GPU, from its traced kernels."""
+    each worker count. With `profile` (a file of `profile`): each point's step time, samples/s, MFU and what
+    bounds it on that GPU, from its traced kernels and the engine's hooks, and with `bandwidth` or `busbw` its
+    exposed communication."""
     from ray_zero.measure.gpu_profile import read_profile
     from ray_zero.report.estimate import estimate as estimate_table
     from ray_zero.report.estimate import grid_overrides, this_gpu, this_gpu_gib
@@ -300,7 +301,7 @@ def estimate(
         raise ConfigError(f"--gpu-gib {gpu_gib:g}: a GPU's memory in GiB, a number above 0")
     if gpu is not None and not gpu.strip():
         raise ConfigError("--gpu: give the GPU's name, e.g. h100, h200 or A100-SXM4-80GB")
-    source = speed_source(measured, bandwidth, busbw)
+    source = speed_source(measured, bandwidth, busbw, profile)
     rates = read_profile(Path(profile)) if profile is not None else None
     if not model and measured is not None:
         model = dict(read_experiment_file(Path(measured)).get("experiment") or {})
@@ -319,8 +320,9 @@ def estimate(
         gpu_gib=gpu_gib if gpu_gib else this_gpu_gib(),
         gpu=gpu or this_gpu(),
         profile=rates,
+        bandwidth=source,
     )
-    if source is not None:
+    if measured is not None:
         from ray_zero.store import load_trials
 
         counts = workers or experiment.grid.num_workers

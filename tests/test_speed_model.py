@@ -135,6 +135,11 @@ def test_estimates_speed_options_are_one_line_each(tmp_path):
     with pytest.raises(ConfigError, match="give one of --bandwidth FILE"):
         speed_source(tmp_path, tmp_path / "bw.json", 3.0)
     assert speed_source(tmp_path, None, 3.0).busbw("all_reduce", 2**20) == 3.0
+    # with a profile: the step's communication at the bandwidth given, or none counted
+    assert speed_source(None, None, None, profile="h100.json") is None
+    assert speed_source(None, None, 3.0, profile="h100.json").busbw("all_gather", 2**20) == 3.0
+    with pytest.raises(ConfigError, match="--profile: give one of"):
+        speed_source(None, tmp_path / "bw.json", 3.0, profile="h100.json")
 
 
 def test_estimate_puts_the_predicted_samples_per_s_beside_each_points_memory():

@@ -91,23 +91,26 @@ def test_the_profile_command_measures_every_kernel_class_on_the_cpu_within_its_b
     assert content["command"].startswith("python -m ray_zero profile --device cpu")
     assert content["budget_s"] == 5
     assert 1e-8 < content["launch_s"] < 1e-3  # an eager add costs microseconds of the host
+    assert 1e-9 <= content["hook_s"] < 1e-4  # a no-op module hook: a Python call, about a microsecond
     rows = [r for r in content["results"] if "seconds" in r]
     kinds = {r["kind"] for r in rows}
     assert kinds >= {"matmul", "attention", "conv", "elementwise", "reduction", "adamw_foreach"}
     assert all(r["seconds"] > 0 for r in rows)
     profile = read_profile(output)
+    assert profile.hook_s == content["hook_s"] and profile.hardware == content["hardware"]["name"]
     assert 1e8 < profile.rate("matmul", "fp32", 1e9) < 1e13  # a 2-core CPU: GFLOP/s, not TFLOP/s
     assert 1e8 < profile.rate("elementwise", "fp32", 1e6) < 1e12
     assert f"written to {output}" in capsys.readouterr().out
 
 
-def _profile_file(tmp_path, launch_s: float):
-    """One rate for every kind (no size dependence): the step's time is its sums over the rates."""
+def _profile_file(tmp_path, launch_s: float, **more):
+    """One rate for every kind (no size dependence): the step's time is its sums over the rates; `more`:
+    other fields of the file (hook_s, hardware)."""
     rows = [_row(kind, dtype, 1e9, 1e9 / 1e12) for kind in ("matmul", "attention", "elementwise")
             for dtype in ("bf16", "fp32")]  # fmt: skip
     rows.append(_row("adamw_foreach", "fp32", 1e8, 1e8 / 1e10))
     path = tmp_path / f"profile-{launch_s}.json"
-    path.write_text(json.dumps(_content(launch_s, rows)))
+    path.write_text(json.dumps(_content(launch_s, rows) | more))
     return path
 
 
@@ -118,7 +121,9 @@ def test_estimate_with_a_profile_predicts_each_points_step_and_what_bounds_it(tm
     assert set(slow_host["bound"]) == {"host"}
     steps = slow_host.set_index(["micro_batch", "workers"])["step_ms"]
     assert steps[(2, 1)] == pytest.approx(steps[(4, 1)]) and steps[(2, 1)] > 100  # over 100 kernels
-    fast_host = ray_zero.estimate("hf:gpt2", profile=_profile_file(tmp_path, 1e-9), **grid).table
+    h100 = {"hardware": {"name": "NVIDIA H100 80GB HBM3"}}  # its dense bf16 peak: 989 TFLOP/s
+    estimated = ray_zero.estimate("hf:gpt2", profile=_profile_file(tmp_path, 1e-9, **h100), **grid)
+    fast_host = estimated.table
     assert set(fast_host["bound"]) <= {"compute", "memory"}
     by = fast_host.set_index(["micro_batch", "workers"])
     # twice the samples: about twice the kernels' FLOPs and activations' bytes (the weights' bytes stay)
@@ -127,8 +132,17 @@ def test_estimate_with_a_profile_predicts_each_points_step_and_what_bounds_it(tm
     assert rate[(2, 2)] == pytest.approx(2 * rate[(2, 1)])  # stage 0: each rank steps every parameter
     assert rate[(2, 1)] == pytest.approx(2 / (by.loc[(2, 1), "step_ms"] / 1e3))
 
+    comm = by["comm_ms"]  # 1 worker sends nothing; 2 do, at no bandwidth given: not counted
+    assert comm[(2, 1)] == 0 and comm[(4, 1)] == 0 and comm[(2, 2)] != comm[(2, 2)]
+    assert by["hooks_ms"].isna().all()  # the profile has no seconds per hook
+    flops = estimated.rows[0]["flops_per_sample"]
+    assert by.loc[(2, 1), "mfu"] == pytest.approx(flops * rate[(2, 1)] / 989e12)
+
+    # at 1 MB/s the 2 workers' gradient all-reduce (stage 0: nothing hidden) sets their step
     args = ["estimate", "--model", "hf:gpt2", *(x for s in TINY_GPT2 for x in ("--set", s)), "--stages", "0"]
-    assert main([*args, "--workers", "1", "--profile", str(_profile_file(tmp_path, 1e-3))]) == 0
+    profile = str(_profile_file(tmp_path, 1e-3, hook_s=2e-6))
+    assert main([*args, "--workers", "1,2", "--profile", profile, "--busbw", "0.001"]) == 0
     printed = capsys.readouterr().out
-    assert "step_ms" in printed and "predicted_samples_per_s" in printed and " host" in printed
-    assert "Not counted yet: communication" in printed
+    assert "step_ms" in printed and "predicted_samples_per_s" in printed and "comm_ms" in printed
+    assert " host" in printed and " communication" in printed and "busbw 0.001 GB/s" in printed
+    assert "hooks at 2.00 us each" in printed and "mfu" in printed

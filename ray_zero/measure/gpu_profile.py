@@ -6,6 +6,8 @@ The file's `results` are rows of one timed call each: {"kind", "dtype", "shape",
 - compute kinds (matmul, attention, conv): FLOP/s, by FLOPs per call;
 - memory kinds (elementwise, reduction): bytes/s, by bytes per call;
 - optimizer steps (adamw_foreach, adamw_fused): parameters/s, by parameters per step.
+Beside them, the host's seconds per launched kernel (`launch_s`) and per module hook (`hook_s`; files of
+earlier versions have none: hooks are not counted).
 Between measured sizes the rate is log-linear in the size; beyond them, the nearest end's.
 """
 
@@ -49,6 +51,11 @@ class Profile:
     launch_s: float
     curves: dict[tuple[str, str], list[tuple[float, float]]]
     """(kind, dtype) -> [(size per call, rate)], by size."""
+    hardware: str = ""
+    """The device's name as CUDA gives it (meter.PEAK_TFLOPS's key), or the CPU's."""
+    hook_s: Optional[float] = None
+    """The host's seconds per call of a module hook (a Python forward hook on a tiny module: the floor of
+    an engine's hooks, which do more in them); None: not measured, hooks not counted."""
 
     def rate(self, kind: str, dtype: str, size: float) -> float:
         """The rate of one call of `kind` at `size`. A dtype not measured for its kind is read at the kind's
@@ -76,7 +83,9 @@ def profile_from(content: dict, source: str) -> Profile:
     if not averaged or not content.get("launch_s"):
         raise ConfigError(f"{source}: no figures in it (a profile needs results and launch_s)")
     hardware = content.get("hardware", {}).get("name", "?")
-    return Profile(f"{source} ({hardware}, {content.get('date', '?')})", float(content["launch_s"]), averaged)
+    hook_s = float(content["hook_s"]) if content.get("hook_s") else None
+    label = f"{source} ({hardware}, {content.get('date', '?')})"
+    return Profile(label, float(content["launch_s"]), averaged, hardware, hook_s)
 
 
 def read_profile(path: Path, label: Optional[str] = None) -> Profile:

@@ -58,12 +58,13 @@ class SpeedEstimate:
 
 
 def message_bytes(model, backend: str, stage: int, precision: str, bucket_elements: float) -> float:
-    """The size of the messages an engine sends its gradients and parameters in."""
+    """The size of the messages an engine sends its gradients and parameters in (a model without repeated
+    blocks gathers its parameters whole)."""
     low = HALF.get(precision, 4)
     if backend == "torch_zero":
         return DDP_BUCKET_BYTES
     if backend == "fsdp" or (backend == "deepspeed" and stage == 3):
-        return max(1, model.largest_block_params) * low
+        return max(1, model.largest_block_params or getattr(model, "params", 1)) * low
     return bucket_elements * low
 
 

@@ -10,9 +10,11 @@ roofline per kernel class, and the host's launches beside it. Pure: no torch.
   the host's.
 * A step is its micro-batches and one optimizer step: the parameters the fullest rank steps over what
   the profile's AdamW step reaches at that count.
+* The engine's own work (measure/engine_time.py adds it): its hooks run on the host beside the launches
+  (hooks_s), and the communication its overlap rule leaves exposed follows the micro-batches (comm_s).
 
-Not counted yet: communication, the engine's hooks and copies (DeepSpeed, FSDP2), the optimizer's
-launches, the loss read back.
+Not counted yet: the engine's copies (DeepSpeed's flat buffers, FSDP2's casts) beyond the traced
+operators, the optimizer's launches, the loss read back.
 """
 
 from __future__ import annotations
@@ -45,19 +47,31 @@ class StepTime:
     optimizer_s: float
     launches: int
     accumulation: int = 1
+    hooks_s: float = 0.0
+    """The host's time in the engine's hooks, per micro-batch (0: none, or not counted)."""
+    comm_s: float = 0.0
+    """The step's communication the engine does not hide behind compute (engine_time.py), per step."""
 
     @property
     def device_s(self) -> float:
         return self.compute_s + self.memory_s
 
     @property
+    def micro_batch_s(self) -> float:
+        """One micro-batch: the device's time or the host's (launches and hooks), whichever is longer."""
+        return max(self.device_s, self.host_s + self.hooks_s)
+
+    @property
     def step_s(self) -> float:
-        return self.accumulation * max(self.device_s, self.host_s) + self.optimizer_s
+        return self.accumulation * self.micro_batch_s + self.optimizer_s + self.comm_s
 
     @property
     def bound(self) -> str:
-        """The term that sets the step: host, compute or memory (bandwidth)."""
-        if self.host_s > self.device_s:
+        """The term that sets the step: communication (where its exposed part outlasts the micro-batches),
+        host, compute or memory (bandwidth)."""
+        if self.comm_s > self.accumulation * self.micro_batch_s:
+            return "communication"
+        if self.host_s + self.hooks_s > self.device_s:
             return "host"
         return "compute" if self.compute_s >= self.memory_s else "memory"
 

@@ -89,6 +89,12 @@ class ModelInfo:
     own groups, ray_zero/train/torch_engines.py)."""
     largest_block_params: int | None = None
     """Parameters of the largest repeated block (what FSDP2 gathers at a time), None without blocks."""
+    blocks: int = 0
+    """Repeated blocks: FSDP2 shards each as its own group (hooked before and after its forward and
+    backward)."""
+    modules: int = 0
+    """Modules, the model itself included: DeepSpeed stage 3 hooks each before and after its forward and
+    backward. 0 in descriptions of earlier versions (hooks not counted)."""
     unreached_params: tuple[int, ...] = ()
     """Indices (into trainable_param_shapes) of the trainable parameters the loss does not reach, found by
     the counting backward: no gradient in training (a pooler a masked LM skips, a vision-language model's
@@ -189,6 +195,8 @@ def describe_model(
         trainable_param_shapes=tuple(tuple(p.shape) for p in params if p.requires_grad),
         frozen_param_shapes=tuple(tuple(p.shape) for p in params if not p.requires_grad),
         largest_block_params=largest_block,
+        blocks=len(blocks or ()),
+        modules=sum(1 for _ in module.modules()),
         unreached_params=unreached,
         sample_bytes=_sample_bytes(built.spec),
         buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers() if b.is_floating_point()),

@@ -19,9 +19,12 @@ import pandas as pd
 
 from ray_zero.config import ConfigError, Experiment, TrialSpec
 from ray_zero.measure import error_band
+from ray_zero.measure.bandwidth import Bandwidth
 from ray_zero.measure.calibration import read_calibration
 from ray_zero.measure.engine_memory import paper
+from ray_zero.measure.engine_time import engine_time
 from ray_zero.measure.gpu_profile import Profile
+from ray_zero.measure.meter import peak_tflops
 from ray_zero.measure.partitions import held
 from ray_zero.measure.prediction import GIB
 from ray_zero.measure.step_time import predict_step
@@ -80,10 +83,12 @@ def estimate(
     gpu_gib: Optional[float] = None,
     gpu: Optional[str] = None,
     profile: Optional[Profile] = None,
+    bandwidth: Optional[Bandwidth] = None,
 ) -> Estimate:
     """Every point of `experiment`'s grid that an engine can run, predicted on a GPU: its step traced on
     the meta device (or `calibration_dir`'s calibration.json where it cannot be), with its error band
-    (checked against `gpu`, a GPU's name, where given); with `profile`, its step time on that GPU."""
+    (checked against `gpu`, a GPU's name, where given); with `profile`, its step time on that GPU, its
+    communication at `bandwidth` where given."""
     calibration = None
     if calibration_dir is not None:
         calibration = read_calibration(Path(calibration_dir))
@@ -102,7 +107,7 @@ def estimate(
     for point in points:
         traced = traces[trace_key(point.backend, precision, point.activation_checkpointing, point.seq_len)]
         if profile is not None:
-            speeds.append(_speed(point, traced, model, profile, experiment.gradient_accumulation_steps))
+            speeds.append(_speed(point, traced, model, profile, experiment, precision, bandwidth))
         spec = TrialSpec(
             experiment,
             point,
@@ -122,32 +127,57 @@ def estimate(
         if field in table and table[field].nunique() <= 1:
             table = table.drop(columns=field)
     head = _head(experiment, model, precision, traces, traced_s, gpu_gib)
-    head += _band_head(rows, gpu, gpu_gib) + (_speed_head(profile) if profile is not None else "")
+    head += _band_head(rows, gpu, gpu_gib) + (_speed_head(profile, bandwidth) if profile is not None else "")
     return Estimate(head, table, rows=rows)
 
 
-def _speed(point, traced, model, profile: Profile, accumulation: int) -> dict:
-    """The point's step on the profile's GPU (measure/step_time.py): its traced kernels, and an AdamW step
-    over the parameters its fullest rank steps; blank where the step was not traced."""
+def _speed(point, traced, model, profile: Profile, experiment: Experiment, precision: str, bandwidth) -> dict:
+    """The point's step on the profile's GPU (measure/step_time.py): its traced kernels, an AdamW step over
+    the parameters its fullest rank steps, the engine's hooks and exposed communication
+    (measure/engine_time.py); blank where the step was not traced."""
     step = traced.at(point.micro_batch_size) if isinstance(traced, Traced) else None
     if step is None or not step.ops:
-        return {"step_ms": None, "predicted_samples_per_s": None, "bound": None}
+        return dict.fromkeys(SPEED_COLUMNS)
+    model = model.at(point.seq_len)
     shapes = model.trainable_param_shapes, model.frozen_param_shapes
     stepped = held(*shapes, point.backend, point.stage, point.num_workers, model.unreached_params).states
-    predicted = predict_step(step.ops, profile, stepped, accumulation)
+    kernels = predict_step(step.ops, profile, stepped, experiment.gradient_accumulation_steps)
+    bucket = experiment.reduce_bucket_size
+    predicted, engine = engine_time(kernels, model, point, precision, bandwidth, profile.hook_s, bucket)
+    samples_per_s = predicted.samples_per_s(point.micro_batch_size, point.num_workers)
+    peak = peak_tflops(profile.hardware, precision)
+    flops = model.flops_per_sample * samples_per_s / point.num_workers  # per GPU
     return {
         "step_ms": predicted.step_s * 1e3,
-        "predicted_samples_per_s": predicted.samples_per_s(point.micro_batch_size, point.num_workers),
+        "comm_ms": predicted.comm_s * 1e3 if bandwidth is not None or point.num_workers < 2 else None,
+        "hooks_ms": predicted.accumulation * predicted.hooks_s * 1e3 if profile.hook_s else None,
+        "predicted_samples_per_s": samples_per_s,
+        "mfu": flops / (peak * 1e12) if peak and model.flops_per_sample else None,
         "bound": predicted.bound,
     }
 
 
-def _speed_head(profile: Profile) -> str:
+SPEED_COLUMNS = ("step_ms", "comm_ms", "hooks_ms", "predicted_samples_per_s", "mfu", "bound")
+
+
+def _speed_head(profile: Profile, bandwidth: Optional[Bandwidth]) -> str:
+    hooks = (
+        f"the engine's hooks at {profile.hook_s * 1e6:.2f} us each (a bare module hook: the floor)"
+        if profile.hook_s
+        else "the engine's hooks not counted (the profile has no seconds per hook)"
+    )
+    comm = (
+        f"comm_ms: the communication each engine's overlap rule leaves exposed at {bandwidth.source}"
+        if bandwidth is not None
+        else "comm_ms: communication not counted above one worker (give --bandwidth FILE or --busbw GB/s)"
+    )
     return (
         f".\nstep_ms, predicted_samples_per_s (all workers): each traced kernel on {profile.source}, the "
         "larger of its FLOPs over its kind's rate and its bytes over the bandwidth, beside the host's "
-        f"launches ({profile.launch_s * 1e6:.1f} us each); bound: the term that sets the step (compute, "
-        "memory, host). Not counted yet: communication, the engine's hooks and copies"
+        f"launches ({profile.launch_s * 1e6:.1f} us each) and {hooks} (hooks_ms, a step's); {comm} "
+        "(measure/engine_time.py); mfu: model FLOPs per GPU over its dense peak (blank: a device the peak "
+        "table does not name); bound: the term that sets the step (compute, memory, host, communication). "
+        "Not counted yet: the engine's copies, the optimizer's launches, the loss read back"
     )
 
 

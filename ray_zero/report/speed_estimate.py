@@ -115,19 +115,25 @@ def folder_speed(folder: Path, rows: list[dict], saved: dict) -> Optional[tuple[
     return (speed_head(bandwidth, Path(folder).name), frame) if len(frame) else None
 
 
-def speed_source(measured, bandwidth, busbw) -> Optional[Bandwidth]:
-    """`estimate`'s bandwidth for a speed prediction (None without `measured`); bad combinations are one
-    line each."""
-    if measured is None:
+def speed_source(measured, bandwidth, busbw, profile=None) -> Optional[Bandwidth]:
+    """`estimate`'s bandwidth: for a speed prediction from `measured` rows (needed there), or for the
+    communication of a step predicted on `profile` (without one there, communication is not counted);
+    None without either. Bad combinations are one line each."""
+    if measured is None and profile is None:
         if bandwidth is not None or busbw is not None:
             raise ConfigError(
-                "--bandwidth and --busbw go with --measured DIR (a sweep's folder to predict from)"
+                "--bandwidth and --busbw go with --measured DIR (a sweep's folder to predict from) or "
+                "--profile FILE (a GPU's profile)"
             )
         return None
-    if not has_trials(Path(measured)):
+    if measured is not None and not has_trials(Path(measured)):
         raise ConfigError(f"--measured {measured}: no trials.jsonl there (give a sweep's output folder)")
-    if (bandwidth is None) == (busbw is None):
+    neither = bandwidth is None and busbw is None
+    if (bandwidth is not None and busbw is not None) or (measured is not None and neither):
+        what = "--measured" if measured is not None else "--profile"
         raise ConfigError(
-            "--measured: give one of --bandwidth FILE (from `python -m ray_zero bandwidth`) or --busbw GB/s"
+            f"{what}: give one of --bandwidth FILE (from `python -m ray_zero bandwidth`) or --busbw GB/s"
         )
+    if neither:
+        return None
     return read_bandwidth(Path(bandwidth)) if bandwidth is not None else given(busbw)

@@ -10,7 +10,10 @@ the next case would not fit what is left of its share):
 - elementwise (a multiply into another tensor) and reduction (a sum) bandwidth, by bytes;
 - torch.optim.AdamW's step, foreach (torch's default on CUDA) and fused, over fp32 parameters;
 - the host's seconds per launched kernel for eager PyTorch: a loop of tiny in-place adds, timed on the
-  host without waiting for the device.
+  host without waiting for the device;
+- the host's seconds per module hook: calls of a module that launches nothing (nn.Identity) with and
+  without no-op forward hooks, the difference per hook (the floor of an engine's hooks: DeepSpeed's and
+  FSDP2's do more in theirs).
 
 A GPU call's device time is read between CUDA events, with the calls queued behind a short sleep kernel
 so that the host's launches do not show in it; on the CPU, perf_counter. (torch.utils.benchmark.Timer
@@ -97,6 +100,25 @@ def launch_seconds(device: torch.device, launches: int = 500) -> float:
     return seconds
 
 
+def hook_seconds(hooks: int = 20, calls: int = 300) -> float:
+    """The host's seconds per call of a no-op forward hook: a hooked nn.Identity's calls less a bare one's,
+    per hook (the fewest of three tries each: the host's other work only adds)."""
+    bare, hooked, x = torch.nn.Identity(), torch.nn.Identity(), torch.zeros(1)
+    for _ in range(hooks):
+        hooked.register_forward_hook(lambda module, args, out: None)
+
+    def fewest(module) -> float:
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            for _ in range(calls):
+                module(x)
+            times.append((time.perf_counter() - started) / calls)
+        return min(times)
+
+    return max(fewest(hooked) - fewest(bare), 1e-9) / hooks
+
+
 def _matmul(device, dtype) -> Iterator:
     shapes = [(n, n, n) for n in (256, 512, 1024, 2048, 4096, 8192)]
     shapes += [(t, n, k) for t in (2048, 8192, 32768) for n, k in ((768, 768), (3072, 768), (768, 3072))]
@@ -171,7 +193,7 @@ def _adamw(device, kind: str) -> Iterator:
 
 
 def measure(device: torch.device, budget_s: float) -> dict:
-    """The profile's figures: {"launch_s", "results": [{"kind", "dtype", "shape", "flops", "bytes",
+    """The profile's figures: {"launch_s", "hook_s", "results": [{"kind", "dtype", "shape", "flops", "bytes",
     "seconds", ...}]}, each section within its share of `budget_s`."""
     dtypes = ["bf16", "fp16", "fp32"] if device.type == "cuda" else ["fp32", "bf16"]
     launch_s = launch_seconds(device)
@@ -197,7 +219,7 @@ def measure(device: torch.device, budget_s: float) -> dict:
             results.append({"kind": kind, "dtype": dtype, "error": str(error).splitlines()[0][:200]})
         finally:
             _synchronize(device)
-    return {"launch_s": launch_s, "results": results}
+    return {"launch_s": launch_s, "hook_s": hook_seconds(), "results": results}
 
 
 CASES = {
