@@ -129,6 +129,12 @@ def predict_folder(folder: Path, traces: Traces) -> list[dict]:
                     else None,  # noqa: E501
                     source=row["activation_source"],
                     note=row.get("trace_note", ""),
+                    # for bench/self_correction.py: the activation term, the band, when the trial ran
+                    activation_gib=row.get("predicted_activation_gib"),
+                    inside_band=row.get("inside_band"),
+                    band=row.get("predicted_band"),
+                    started_at=row.get("fit_started_at"),
+                    finished_at=row.get("fit_finished_at"),
                 )
             )
     return out

@@ -1,6 +1,6 @@
-"""Issue 65 item 4: a run corrects itself. A trial measured above its band hands its measured activation
-term to the later trials of its engine: their GPU share (made again in the same room) and fit's first
-guess. Rows of the committed H100 population (bench/results/population-h100) are the misses."""
+"""Issue 65 item 4: a run corrects itself. A trial measured above its band hands what it measured beyond
+its prediction to the later trials of its engine: their GPU share (made again in the same room) and fit's
+first guess. Rows of the committed H100 population (bench/results/population-h100) are the misses."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _population_rows() -> list[dict]:
     ]
 
 
-def test_a_miss_above_the_band_gives_the_term_that_reproduces_its_own_measured_peak():
+def test_a_miss_above_the_band_gives_the_excess_that_reproduces_its_own_measured_peak():
     rows = _population_rows()
     misses = [(row, correction.from_row(row)) for row in rows]
     misses = [(row, found) for row, found in misses if found is not None]
@@ -43,7 +43,7 @@ def test_a_miss_above_the_band_gives_the_term_that_reproduces_its_own_measured_p
     for row, found in misses:
         assert row["inside_band"] is False and row["measured_over_predicted"] > 1
         assert found.engine == (row["backend"], row["activation_checkpointing"])
-        assert found.peak(row["predicted_peak_gib"], row["predicted_activation_gib"]) == pytest.approx(
+        assert found.peak_gib(row["predicted_peak_gib"]) == pytest.approx(
             row["peak_allocated_gib_max"], rel=1e-9
         )
     # Inside the band, or below it (over-predicted: the safe side), nothing is corrected.
@@ -64,15 +64,13 @@ def test_the_largest_miss_of_an_engine_holds_and_other_engines_are_left_alone():
             finish_row({**made, "trial": trial, "backend": "deepspeed", "peak_allocated_gib_max": peak})
         )
     held = found.for_row({"backend": "deepspeed", "activation_checkpointing": False})
-    assert held.trial == "stage1_mb16_w1" and held.scale == pytest.approx(
-        (10.0 * (1 + band.upper) + 2.0 - (10.0 - 4.0)) / 4.0  # measured less the other terms, over 4
-    )
+    assert held.trial == "stage1_mb16_w1" and held.excess_gib == pytest.approx(10.0 * band.upper + 2.0)
     assert found.for_row({"backend": "deepspeed", "activation_checkpointing": True}) is None
     assert found.for_row({"backend": "fsdp", "activation_checkpointing": False}) is None
     later = {"backend": "deepspeed", "activation_checkpointing": False, "predicted_peak_gib": 20.0,
              "predicted_activation_gib": 12.0}  # fmt: skip
     fields = correction.corrected_fields(later, held)
-    assert fields["corrected_peak_gib"] == pytest.approx(20.0 + (held.scale - 1) * 12.0)
+    assert fields["corrected_peak_gib"] == pytest.approx(20.0 + held.excess_gib)
     assert fields["corrected_from"].startswith("stage1_mb16_w1 measured ")
     assert correction.corrected_fields({**later, "backend": "fsdp"}, held) == {}
 
@@ -89,15 +87,15 @@ def _covered(needs: dict[str, Need], shares: dict[str, float], room, at_peak: st
 
 def test_a_corrected_trial_reserves_the_step_beyond_the_one_set_aside():
     needs = {
-        "a": Need(6 * GIB, 14 * GIB, "traced", 8 * GIB),  # the largest step: 8 GiB above its resident
-        "b": Need(4 * GIB, 9 * GIB, "traced", 5 * GIB),
-        "c": Need(5 * GIB, 10 * GIB, "traced", 5 * GIB),
+        "a": Need(6 * GIB, 14 * GIB, "traced"),  # the largest step: 8 GiB above its resident
+        "b": Need(4 * GIB, 9 * GIB, "traced"),
+        "c": Need(5 * GIB, 10 * GIB, "traced"),
     }
     sharing = gpu_shares(needs, dict.fromkeys(needs, 1), 80 * GIB, 1, 100)  # no floor to hide it
     room = sharing.room
     assert all(_covered(needs, sharing.shares, room, name) for name in needs)
-    # b measured twice its activations: its step (10 GiB) is now beyond a's 8 GiB set aside.
-    corrected = {**needs, "b": dataclasses.replace(needs["b"], peak=needs["b"].peak + needs["b"].activation)}
+    # b measured 5 GiB over its prediction: its step (10 GiB) is now beyond a's 8 GiB set aside.
+    corrected = {**needs, "b": dataclasses.replace(needs["b"], peak=needs["b"].peak + 5 * GIB)}
     assert not _covered(corrected, sharing.shares, room, "b")  # the old share no longer covers it
     share = room.share(corrected["b"], 1)
     after = {**sharing.shares, "b": share}
@@ -118,20 +116,18 @@ def test_fits_first_guess_takes_its_engines_measured_term_where_it_is_above_the_
     spec = dataclasses.replace(trial_spec(experiment, Point("deepspeed", 1, 1, 1)), use_gpu=True)
     band = error_band.band_for(error_band.class_of_info(spec.model))
     steps = Steps(8, 512)
-    # Its peak is the optimizer step's until the activations outgrow it: a budget that holds 128 samples'
-    # prediction at the band's upper end holds far larger micro-batches too.
-    budget = band.high_gib(SearchSpec(spec, 1000.0, steps).predicted_peak(128)) * 1.001
-    search = SearchSpec(spec, budget, steps)
+    search = SearchSpec(spec, SearchSpec(spec, 1000.0, steps).predicted_peak(128) + 3.0, steps)
     guess = search.first_guess()
-    assert guess > 128
-    # A trial of its engine measured its activations 1.5x: the guess drops to where that term fits.
-    missed = correction.Correction("stage1_mb64_w1", ("deepspeed", False), 1.2, 1.5, "")
+    # A trial of its engine measured 2.5 GiB over its prediction (above the band's upper end here): the
+    # guess drops to the largest size where that excess fits.
+    missed = correction.Correction("stage1_mb64_w1", ("deepspeed", False), 1.15, 2.5, "")
+    assert band.high_gib(search.predicted_peak(guess)) < missed.peak_gib(search.predicted_peak(guess))
     corrected = dataclasses.replace(search, correction=missed).first_guess()
-    assert corrected < 128
-    at = missed.peak(*search._predicted(corrected))
-    assert at <= budget < missed.peak(*search._predicted(steps.up(corrected)))
-    # A correction well within the band changes nothing: the band's upper end still holds.
-    slight = dataclasses.replace(missed, scale=1.0 + band.upper / 10)
+    assert corrected < guess
+    at = missed.peak_gib(search.predicted_peak(corrected))
+    assert at <= search.budget_gib < missed.peak_gib(search.predicted_peak(steps.up(corrected)))
+    # An excess within the band changes nothing: the band's upper end still holds.
+    slight = dataclasses.replace(missed, excess_gib=0.1)
     assert dataclasses.replace(search, correction=slight).first_guess() == guess
 
 
@@ -150,13 +146,11 @@ def test_a_trial_driver_plans_its_share_again_from_its_engines_miss():
     spec = dataclasses.replace(spec, gpu_share=room.share(need, 1), gpu_room=room)
     assert planned(spec, Corrections()) == (spec, {})
     found = Corrections(
-        {("deepspeed", False): correction.Correction("stage1_mb64_w1", ("deepspeed", False), 1.2, 3.0, "")}
+        {("deepspeed", False): correction.Correction("stage1_mb64_w1", ("deepspeed", False), 1.2, 6.0, "")}
     )
     again, fields = planned(spec, found)
     assert again.gpu_share > spec.gpu_share and fields["corrected_from"].startswith("stage1_mb64_w1 measured")
-    assert fields["corrected_peak_gib"] == pytest.approx(
-        trial_row(spec)["predicted_peak_gib"] + 2.0 * trial_row(spec)["predicted_activation_gib"]
-    )
+    assert fields["corrected_peak_gib"] == pytest.approx(trial_row(spec)["predicted_peak_gib"] + 6.0)
     # Another engine's miss, or a trial that runs alone, keeps its plan.
     other = Corrections(
         {("fsdp", False): dataclasses.replace(found.by_engine[("deepspeed", False)], engine=("fsdp", False))}

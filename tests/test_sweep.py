@@ -307,12 +307,12 @@ def test_the_sweeps_log_hands_each_engines_largest_miss_to_the_trials_after_it(r
 
     log = trial_log("ray_zero_log_corrections_test")
     try:
-        for trial, scale in (("stage1_mb8_w1", 1.3), ("stage1_mb16_w1", 1.6), ("stage3_mb16_w1", 1.1)):
-            ray_instance.get(log.missed.remote(Correction(trial, ("deepspeed", False), 1.1, scale, "")))
+        for trial, excess in (("stage1_mb8_w1", 1.3), ("stage1_mb16_w1", 1.6), ("stage3_mb16_w1", 1.1)):
+            ray_instance.get(log.missed.remote(Correction(trial, ("deepspeed", False), 1.1, excess, "")))
         ray_instance.get(log.missed.remote(Correction("fsdp_stage3_mb8_w1", ("fsdp", False), 1.2, 2.0, "")))
         found = ray_instance.get(log.corrections.remote())
         assert found.for_row({"backend": "deepspeed"}).trial == "stage1_mb16_w1"
-        assert found.for_row({"backend": "fsdp"}).scale == 2.0
+        assert found.for_row({"backend": "fsdp"}).excess_gib == 2.0
         assert found.for_row({"backend": "deepspeed", "activation_checkpointing": True}) is None
     finally:
         ray_instance.kill(log)

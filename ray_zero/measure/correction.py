@@ -1,15 +1,16 @@
 """A run that corrects itself: when a trial's measured peak lies above its prediction's error band (an ok
 GPU row whose `inside_band` is false and whose measured/predicted exceeds 1), the trials of the same
-engine (backend and activation checkpointing) that start after it are planned with the activation term
-that trial measured in place of the traced one: a sweep's GPU shares (ray_zero/run/gpu_sharing.py) and
-the first guess of fit's searches (ray_zero/train/probing.py). Pure: no Ray, no torch.
+engine (backend and activation checkpointing) that start after it are planned with what that trial
+measured beyond its prediction: a sweep's GPU shares (ray_zero/run/gpu_sharing.py) and the first guess of
+fit's micro-batch searches (ray_zero/train/probing.py). Pure: no Ray, no torch.
 
-The measured term: the row's measured peak less the prediction's other terms (model states, buckets,
-workspaces, data, counted from shapes), over its predicted activation term. A later point takes its own
-predicted activation term times that scale; a row that predicted no activations scales its whole peak by
-the missed row's measured/predicted. Of several misses of one engine, the largest scale holds. A miss
-below the band changes nothing: the plan is on the safe side already. Rows planned with a correction say
-so (`corrected_from`, `corrected_peak_gib`); their predicted peak stays the model's own.
+The measured term is the excess, the measured peak less the predicted one, added to each later point's
+predicted peak whatever its micro-batch: the misses of the committed sweeps were constant across
+micro-batches (DDP's gradient buckets, rebuilt at its second step), and scaling the activation term
+instead planned 16 of 17 later rows too high (bench/self_correction.md). Of several misses of one engine,
+the largest excess holds. A miss below the band changes nothing: the plan is on the safe side already.
+Rows planned with a correction say so (`corrected_from`, `corrected_peak_gib`); their predicted peak stays
+the model's own.
 """
 
 from __future__ import annotations
@@ -31,20 +32,22 @@ class Correction:
     engine: tuple[str, bool]
     ratio: float
     """The missed row's measured peak over its predicted peak."""
-    scale: Optional[float]
-    """Its measured activation term over the predicted one (None: it predicted no activations)."""
+    excess_gib: float
+    """Its measured peak less its predicted peak."""
     band: str
 
-    def peak(self, peak: float, activation: Optional[float]) -> float:
-        """A point's predicted peak with this correction (in the unit given: GiB or bytes): its activation
-        term scaled, or (no activation term on either side) its whole peak by the missed row's ratio."""
-        if self.scale is not None and activation:
-            return peak + (self.scale - 1) * activation
-        return peak * self.ratio
+    def peak_gib(self, peak_gib: float) -> float:
+        """A point's predicted peak with this correction."""
+        return peak_gib + self.excess_gib
+
+    def peak_bytes(self, peak_bytes: float) -> float:
+        return peak_bytes + self.excess_gib * 2**30
 
     def __str__(self) -> str:
-        term = f"activations x{self.scale:.3f}" if self.scale is not None else f"peak x{self.ratio:.3f}"
-        return f"{self.trial} measured {self.ratio:.3f}x its prediction, above its band {self.band}: {term}"
+        return (
+            f"{self.trial} measured {self.ratio:.3f}x its prediction, above its band {self.band}: "
+            f"+{self.excess_gib:.2f} GiB"
+        )
 
 
 def from_row(row: dict[str, Any]) -> Optional[Correction]:
@@ -53,18 +56,8 @@ def from_row(row: dict[str, Any]) -> Optional[Correction]:
     ratio, peak = row.get("measured_over_predicted"), row.get("predicted_peak_gib")
     if row.get("inside_band") is not False or not ratio or ratio <= 1 or not peak:
         return None
-    activation = row.get("predicted_activation_gib")
-    scale = None
-    if activation:
-        measured_activation = row["peak_allocated_gib_max"] - (peak - activation)
-        scale = measured_activation / activation
-    return Correction(str(row["trial"]), engine_of(row), ratio, scale, str(row.get("predicted_band") or ""))
-
-
-def _larger(a: Correction, b: Correction) -> Correction:
-    if a.scale is not None and b.scale is not None:
-        return a if a.scale >= b.scale else b
-    return a if a.ratio >= b.ratio else b
+    excess = row["peak_allocated_gib_max"] - peak
+    return Correction(str(row["trial"]), engine_of(row), ratio, excess, str(row.get("predicted_band") or ""))
 
 
 class Corrections:
@@ -77,7 +70,8 @@ class Corrections:
         if correction is None:
             return
         known = self.by_engine.get(correction.engine)
-        self.by_engine[correction.engine] = correction if known is None else _larger(known, correction)
+        if known is None or correction.excess_gib > known.excess_gib:
+            self.by_engine[correction.engine] = correction
 
     def add_row(self, row: dict[str, Any]) -> Optional[Correction]:
         """The row's correction (from_row), kept; None if it asks for none."""
@@ -97,5 +91,5 @@ def corrected_fields(row: dict[str, Any], correction: Optional[Correction]) -> d
         return {}
     return {
         "corrected_from": str(correction),
-        "corrected_peak_gib": correction.peak(peak, row.get("predicted_activation_gib")),
+        "corrected_peak_gib": correction.peak_gib(peak),
     }

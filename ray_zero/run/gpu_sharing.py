@@ -65,8 +65,6 @@ class Need:
     peak: float
     basis: str
     """Where the peak comes from: the memory model's basis, or the uncalibrated upper bound."""
-    activation: float = 0.0
-    """The peak's activation term (what a correction scales: ray_zero/measure/correction.py)."""
 
 
 def memory_need(
@@ -94,7 +92,7 @@ def memory_need(
         + prediction.data_bytes
         + float(row.get("param_bytes") or 0)
     )
-    return Need(min(resident, peak), peak, basis, prediction.activation_bytes or 0.0)
+    return Need(min(resident, peak), peak, basis)
 
 
 @dataclass(frozen=True)
@@ -183,6 +181,5 @@ def corrected_share(
     need = memory_need(row, calibration, saved_bytes_per_sample)
     if need is None:
         return share
-    peak = correction.peak(need.peak, need.activation)
-    corrected = Need(min(need.resident, peak), peak, need.basis, need.activation)
-    return max(share, room.share(corrected, num_workers))
+    peak = correction.peak_bytes(need.peak)
+    return max(share, room.share(Need(need.resident, peak, need.basis), num_workers))

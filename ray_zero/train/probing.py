@@ -121,41 +121,35 @@ class SearchSpec:
     def needs_calibration(self) -> bool:
         return self.calibrate and self.calibration is None
 
-    def _predicted(self, value: int) -> tuple[Optional[float], Optional[float]]:
-        """The memory model's peak and activation term (GiB) at `value` on a GPU: the point's traced step,
-        else this search's calibration, else the presets' shapes; None where it predicts none (CPU, or
-        unknown). A seq_len: the driver's peak at that length, where it made one (no term)."""
+    def predicted_peak(self, value: int) -> Optional[float]:
+        """The memory model's peak (GiB) at `value` on a GPU: the point's traced step, else this search's
+        calibration, else the presets' shapes; None where it predicts none (CPU, or unknown). A seq_len:
+        the driver's prediction at that length, where it made one."""
         if not self.spec.use_gpu:
-            return None, None
+            return None
         if self.target == "seq_len":
-            return dict(self.predicted_peaks).get(value), None
+            return dict(self.predicted_peaks).get(value)
         calibrated = (
             {"bytes_per_sample": self.calibration, "seq_len": self.spec.point.seq_len}
             if self.calibration
             else None
         )
-        prediction = predict_point(trial_row(self.at(value)), calibrated)
-        peak, activation = prediction.peak_bytes, prediction.activation_bytes
-        return (None if peak is None else peak / GIB), (None if activation is None else activation / GIB)
-
-    def predicted_peak(self, value: int) -> Optional[float]:
-        """The memory model's peak (GiB) at `value` on a GPU (`_predicted`)."""
-        return self._predicted(value)[0]
+        peak = predict_point(trial_row(self.at(value)), calibrated).peak_bytes
+        return None if peak is None else peak / GIB
 
     def first_guess(self) -> Optional[int]:
         """Where the memory model puts the answer: the largest size whose predicted peak at its error
-        band's upper end (ray_zero/measure/error_band.py), or corrected by its engine's miss where that is
-        higher, is within the budget; None: the search starts at the smallest size."""
+        band's upper end (ray_zero/measure/error_band.py), or with its engine's measured excess where that
+        is higher, is within the budget; None: the search starts at the smallest size."""
         if not self.spec.use_gpu:
             return None
         band = error_band.band_for(error_band.class_of_info(self.spec.model))
 
         def high(value: int) -> Optional[float]:
-            peak, activation = self._predicted(value)
+            peak = self.predicted_peak(value)
             if peak is None:
                 return None
-            corrected = self.correction.peak(peak, activation) if self.correction else peak
-            return max(band.high_gib(peak), corrected)
+            return max(band.high_gib(peak), self.correction.peak_gib(peak) if self.correction else peak)
 
         return largest_predicted_to_fit(high, self.budget_gib, self.steps)
 
