@@ -153,7 +153,7 @@ def replay(runs: list[list[dict]], key, rule) -> list[dict]:
 
 def summary(reached: list[dict]) -> str:
     if not reached:
-        return "| 0 | | | | |"
+        return "| 0 | - | - |"
 
     def counts(name: str) -> str:
         errors = [abs(r[name] - 1) for r in reached]
