@@ -185,3 +185,11 @@ def test_fit_on_cpu_without_a_budget_is_refused(capsys):
 def test_estimate_refuses_a_gpu_of_no_memory(gib, capsys):
     code, _, stderr = _main_here(["estimate", "--model", "seed", "--gpu-gib", gib], capsys)
     assert code == 2 and f"--gpu-gib {gib}: a GPU's memory in GiB" in stderr and "Traceback" not in stderr
+
+
+def test_a_timm_model_built_with_no_classifier_head_is_refused_in_one_line(capsys):
+    # Issue 65 item 5: DINOv2's encoder defaults to 0 classes; estimate printed a traceback
+    # ("random_ expects 'from' to be less than 'to'") before.
+    code, _, stderr = _main_here(["estimate", "--model", "timm:vit_small_patch14_dinov2"], capsys)
+    assert code == 2 and "has no classifier head (it is built with 0 classes); set num_classes" in stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
