@@ -1,6 +1,7 @@
 """bench/: a real bare-DeepSpeed run under torchrun (bench/bare_and_ray.py, bench/bare_deepspeed.py,
 ray_zero.train.worker.train), its phases adding up to its wall time, compare_overhead.py over an old- and
-a new-format bench.csv, and sweep_bench.py's summary of its committed records."""
+a new-format bench.csv, sweep_bench.py's summary of its committed records, and speed_split.py's split and
+speed_accuracy.py's prediction of a committed CPU row from a profile measured here."""
 
 from __future__ import annotations
 
@@ -128,3 +129,37 @@ def test_sweep_bench_timeline_splits_a_gpu_sweep_into_set_up_measuring_and_idle(
     assert ((parts - timeline["span_s"]).abs() <= 0.2).all()  # windows never overlap: the parts add up
     cpu = ROOT / "bench" / "results" / "sweep-cpu-quick" / "new-1"  # CPU trials take no turns
     assert len(load_trials(cpu)) and turn_marks.turn_timeline({"old": [], "new": [cpu]}).empty
+
+
+def test_speed_split_is_the_committed_one_and_a_committed_cpu_row_is_predicted_from_a_cpu_profile(tmp_path):
+    """bench/speed_split.py makes again the split it committed (disjoint, every family of the rows on one
+    side); bench/speed_accuracy.py predicts a committed one-worker CPU row's samples/s from a profile that
+    the profile command's function measured here at a budget of 0.3 s."""
+    import speed_accuracy
+    import speed_split
+
+    import ray_zero
+
+    committed, made = speed_split.load_split(), speed_split.made()
+    assert (made["tuning"], made["held_out"]) == (committed["tuning"], committed["held_out"])
+    assert not set(made["tuning"]) & set(made["held_out"])
+    assert made["counts"]["families"] == len(made["tuning"]) + len(made["held_out"])
+    assert round(len(made["held_out"]) / made["counts"]["families"], 1) == 0.3
+
+    path = ray_zero.profile(tmp_path / "cpu.json", device="cpu", budget_s=0.3)
+    profile = speed_accuracy.read_profile(path)
+    rows = [
+        {**r, "profile": "cpu"}
+        for r in speed_split.committed_rows("cpu_rss")
+        if r["folder"] == "bench/results/cpu-2core/ray_zero/w1"
+    ]
+    assert rows and {r["family"] for r in rows} == {"seed"}
+    predicted = speed_accuracy.predict_rows(rows, {"cpu": profile}, speed_accuracy.Traces())
+    for r in predicted:
+        assert "reason" not in r, r.get("reason")
+        assert r["predicted"]["predicted_samples_per_s"] > 0
+        assert r["predicted"]["bound"] in ("compute", "memory", "host")
+        assert r["ratio"] == r["row"]["samples_per_s"] / r["predicted"]["predicted_samples_per_s"]
+    # The cross-GPU case's scaling: a profile carried to itself is itself.
+    same = speed_accuracy.scaled_profile(profile, profile)
+    assert same.curves == profile.curves and same.launch_s == profile.launch_s

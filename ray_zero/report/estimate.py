@@ -107,7 +107,7 @@ def estimate(
     for point in points:
         traced = traces[trace_key(point.backend, precision, point.activation_checkpointing, point.seq_len)]
         if profile is not None:
-            speeds.append(_speed(point, traced, model, profile, experiment, precision, bandwidth))
+            speeds.append(point_speed(point, traced, model, profile, experiment, precision, bandwidth))
         spec = TrialSpec(
             experiment,
             point,
@@ -131,7 +131,9 @@ def estimate(
     return Estimate(head, table, rows=rows)
 
 
-def _speed(point, traced, model, profile: Profile, experiment: Experiment, precision: str, bandwidth) -> dict:
+def point_speed(
+    point, traced, model, profile: Profile, experiment: Experiment, precision: str, bandwidth
+) -> dict:
     """The point's step on the profile's GPU (measure/step_time.py): its traced kernels, an AdamW step over
     the parameters its fullest rank steps, the engine's hooks and exposed communication
     (measure/engine_time.py); blank where the step was not traced."""
