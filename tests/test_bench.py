@@ -132,19 +132,23 @@ def test_sweep_bench_timeline_splits_a_gpu_sweep_into_set_up_measuring_and_idle(
 
 
 def test_speed_split_is_the_committed_one_and_a_committed_cpu_row_is_predicted_from_a_cpu_profile(tmp_path):
-    """bench/speed_split.py makes again the split it committed (disjoint, every family of the rows on one
-    side); bench/speed_accuracy.py predicts a committed one-worker CPU row's samples/s from a profile that
-    the profile command's function measured here at a budget of 0.3 s."""
+    """bench/speed_split.py's seeded rule gives the split it committed (disjoint sides); speed_accuracy.py
+    predicts a committed one-worker CPU row's samples/s from a profile that the profile command's function
+    measured here at a budget of 0.3 s."""
     import speed_accuracy
     import speed_split
 
     import ray_zero
 
-    committed, made = speed_split.load_split(), speed_split.made()
-    assert (made["tuning"], made["held_out"]) == (committed["tuning"], committed["held_out"])
-    assert not set(made["tuning"]) & set(made["held_out"])
-    assert made["counts"]["families"] == len(made["tuning"]) + len(made["held_out"])
-    assert round(len(made["held_out"]) / made["counts"]["families"], 1) == 0.3
+    # The seeded rule over the committed families gives the committed sides (rows committed later with
+    # new families stay outside the split: they never move a family from one side to the other).
+    committed = speed_split.load_split()
+    families = committed["tuning"] + committed["held_out"]
+    again = speed_split.split(families, committed["seed"])
+    assert (again["tuning"], again["held_out"]) == (committed["tuning"], committed["held_out"])
+    assert not set(committed["tuning"]) & set(committed["held_out"])
+    assert round(len(committed["held_out"]) / len(families), 1) == 0.3
+    assert speed_split.side_of("hf:a_family_committed_later", committed) == "outside"
 
     path = ray_zero.profile(tmp_path / "cpu.json", device="cpu", budget_s=0.3)
     profile = speed_accuracy.read_profile(path)
