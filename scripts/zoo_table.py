@@ -1,6 +1,6 @@
 """README's zoo table from the zoo's result folders (scripts/gpu-zoo.sh): one row per family, one column
-per engine, each cell the peak allocated GiB measured (predicted) in bf16 / fp16, and the range of
-measured over predicted.
+per engine, each cell the peak allocated GiB measured (predicted) in bf16 / fp16 (one figure where the two
+agree), and the range of measured over predicted.
 
     python scripts/zoo_table.py results/h200-2026-12-03/zoo
 """
@@ -63,7 +63,7 @@ def table(root: Path) -> tuple[str, list[float], list[str]]:
                 r = row.iloc[0]
                 ratios.append(r["measured_over_predicted"])
                 parts.append(f"{r['peak_allocated_gib_max']:.2f} ({r['predicted_peak_gib']:.2f})")
-            cells.append(" / ".join(parts))
+            cells.append(parts[0] if len(set(parts)) == 1 else " / ".join(parts))  # one figure where alike
         mb = int(first["micro_batch_size"].iloc[0])
         lines.append(f"| {label}, {size} ({mb}) | " + " | ".join(cells) + " |")
     return "\n".join(lines), ratios, missing
