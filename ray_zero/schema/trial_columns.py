@@ -91,7 +91,7 @@ TRIAL = Registry(
         column("predicted_band", str, "", R, "the error band of the predicted peak: measured/predicted - 1 of its class's rows on a GPU (ray_zero/measure/error_bands.json), widened where the torch or the GPU is outside what was measured, and why"),
         column("predicted_peak_high_gib", float, "GiB", R, "the predicted peak at its band's upper end"),
         column("inside_band", bool, "", R, "the measured peak lies inside the prediction's band (ok GPU rows)"),
-        column("corrected_from", str, "", R, "the earlier trial of this engine whose measured peak lay above its band, and the term it measured: this trial's GPU share, or fit's first guess, was planned with it (ray_zero/measure/correction.py)"),
+        column("corrected_from", str, "", R, "the earlier trial of this engine whose measured peak lay above its band, and its excess over the prediction: a trial sharing a GPU took its share with it, a fit search its first guess (ray_zero/measure/correction.py)"),
         column("corrected_peak_gib", float, "GiB", R, "the predicted peak with that measured term (predicted_peak_gib stays the model's own)"),
         # the ranks' other figures
         column("peak_allocated_gib_min", float, "GiB", R, "peak allocated, the smallest rank", how="min", of="peak_allocated_gib"),
