@@ -13,6 +13,7 @@ python -m ray_zero estimate --measured runs/X --bandwidth bandwidth.json   # sam
 python -m ray_zero profile --output h100.json                    # this GPU's kernel rates, <= 3 minutes
 python -m ray_zero estimate experiments/llama_1b.yaml --profile h100.json   # + step ms and samples/s
 python -m ray_zero estimate experiments/llama_1b.yaml --profile h100.json --busbw 360   # + communication
+python -m ray_zero sweep experiments/gpt2_zero.yaml --profile h100.json   # rows: predicted speed too
 python -m ray_zero keys                                          # every experiment key
 python -m ray_zero columns                                       # every column of the tables
 
@@ -82,6 +83,13 @@ def _add_run_options(command: argparse.ArgumentParser) -> None:
         "default: RAY_ADDRESS if set, else a private Ray that stops with the sweep",
     )
     command.add_argument("--resume", type=Path, metavar="DIR", help="finish the interrupted run in DIR")
+    command.add_argument(
+        "--profile",
+        type=Path,
+        metavar="FILE",
+        help="a file of `python -m ray_zero profile` (sets runtime.profile): each row's step time predicted "
+        "on it, term by term, beside the measured samples/s",
+    )
     command.add_argument(
         "--diagnostics",
         action="store_true",
@@ -249,7 +257,8 @@ def _parser() -> argparse.ArgumentParser:
 def _run(args) -> int:
     from ray_zero.run.sweep import SweepIncomplete  # Ray: imported once the input is known to be good
 
-    common = _options(args, "overrides", "output", "address", "resume", "verbose") | {"command": _command()}
+    common = _options(args, "overrides", "output", "address", "resume", "verbose", "profile")
+    common["command"] = _command()
     if args.resume is None and not args.experiment:
         raise ConfigError(
             f"{args.command} needs an experiment file, e.g. python -m ray_zero {args.command} "

@@ -161,11 +161,18 @@ def _use_cluster_token(address: Optional[str]) -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
-def _prepare(experiment, overrides, output, resume, address) -> tuple[Experiment, Path, Any]:
-    """The experiment (a resumed folder's own), the output folder and the model, all checked before Ray."""
+def _prepare(
+    experiment, overrides, output, resume, address, profile=None
+) -> tuple[Experiment, Path, Any, Any]:
+    """The experiment (a resumed folder's own), the output folder, the model and the profile its rows'
+    speed is predicted on (runtime.profile, which `profile` sets; None), all checked before Ray."""
+    if profile is not None:  # --profile FILE: the experiment's runtime.profile (a JSON string is YAML)
+        overrides = [*overrides, f"runtime.profile={json.dumps(str(profile))}"]
     if resume is not None:
         if experiment is not None or overrides:
-            raise ConfigError("--resume DIR takes no experiment file or --set: it reuses DIR's experiment")
+            raise ConfigError(
+                "--resume DIR takes no experiment file, --set or --profile: it reuses DIR's experiment"
+            )
         output = Path(resume)
         saved = output / EXPERIMENT_FILE
         if not saved.is_file():
@@ -179,10 +186,24 @@ def _prepare(experiment, overrides, output, resume, address) -> tuple[Experiment
     from ray_zero.run.stack import check_stack, environment_kept  # no Ray, torch or DeepSpeed
 
     check_stack(loaded)
+    rates = _profile_of(loaded)
     with environment_kept():  # the caller's process as found (ray_zero/run/cluster.py: the rest)
         model = describe(loaded, address)
     _use_cluster_token(address)
-    return loaded, output, model
+    return loaded, output, model, rates
+
+
+def _profile_of(experiment: Experiment):
+    """runtime.profile read once, here (a measure.gpu_profile.Profile; None where not set): an unreadable
+    file or another kind of file is one ConfigError line before Ray starts."""
+    if not experiment.runtime.profile:
+        return None
+    from ray_zero.measure.gpu_profile import read_profile
+
+    try:
+        return read_profile(Path(experiment.runtime.profile).expanduser())
+    except ConfigError as error:  # the reader's line, named as the setting (--profile sets it)
+        raise ConfigError(str(error).replace("--profile ", "runtime.profile ", 1)) from None
 
 
 def sweep(
@@ -195,12 +216,14 @@ def sweep(
     diagnostics: bool = False,
     verbose: bool = False,
     command: Optional[str] = None,
+    profile: Union[str, os.PathLike, None] = None,
 ) -> Results:
     """Run the experiment's grid, a Ray Train run per trial, and return its tables. `output`: the results
     folder (default runs/NAME-DATE); `address`: a Ray cluster to join ("auto" for the local `ray start`;
     default RAY_ADDRESS, else a private Ray); `resume`: finish an interrupted sweep in that folder.
-    Raises SweepIncomplete (its finished rows saved) when stopped early."""
-    loaded, output, model = _prepare(experiment, overrides, output, resume, address)
+    `profile`: a file of `profile` (sets runtime.profile): each row's step time predicted on it, beside
+    the measured. Raises SweepIncomplete (its finished rows saved) when stopped early."""
+    loaded, output, model, rates = _prepare(experiment, overrides, output, resume, address, profile)
     from ray_zero.run.sweep import run_sweep
 
     # A resumed sweep keeps what its first run collected: its unfinished trials run with the same diagnostics.
@@ -215,6 +238,7 @@ def sweep(
         verbose=verbose,
         command=command,
         fits_checked=checks_here(address),
+        profile=rates,
     )
     return Results.read(output)
 
@@ -234,14 +258,15 @@ def fit(
     resume: Union[str, os.PathLike, None] = None,
     verbose: bool = False,
     command: Optional[str] = None,
+    profile: Union[str, os.PathLike, None] = None,
 ) -> FitResults:
     """The largest micro-batch within `budget_gib` per rank (default on GPU: the device's memory less
     `margin_gib`; required on CPU) for every (engine, stage, workers) of the grid, each search in one Ray
     Train run, then the fastest exported as the config to train with (FitResults.best_ds_config).
     `target="seq_len"`: the longest sequence (to `max_seq_len`, default the model's positions) at each
-    micro-batch of the grid instead, found and confirmed alike."""
+    micro-batch of the grid instead, found and confirmed alike. `profile`: as sweep's."""
     settings = FitSettings(budget_gib, margin_gib, granularity, max_micro_batch, target, max_seq_len)
-    loaded, output, model = _prepare(experiment, overrides, output, resume, address)
+    loaded, output, model, rates = _prepare(experiment, overrides, output, resume, address, profile)
     settings.check(loaded.device)
     settings.check_model(model.seq_len, loaded.grid.seq_len)
     from ray_zero.run.fit import run_fit
@@ -256,6 +281,7 @@ def fit(
         verbose=verbose,
         command=command,
         fits_checked=checks_here(address),
+        profile=rates,
     )
     return FitResults.read(output)
 

@@ -99,6 +99,16 @@ CASES = [
     ("malformed set", [QUICK, "--set", "steps"], "expected KEY=VALUE"),
     ("output of an earlier sweep", [QUICK, "--output", "{tmp}/earlier"], "already holds a sweep's results"),
     ("unknown option", [QUICK, "--stages", "1"], "unrecognized arguments"),
+    (
+        "a profile that is not there",
+        [QUICK, "--set", "runtime.profile={tmp}/nope.json"],
+        "runtime.profile {tmp}/nope.json: cannot read it",
+    ),
+    (
+        "a profile of another command",
+        [QUICK, "--profile", "{tmp}/bandwidth.json"],
+        "runtime.profile {tmp}/bandwidth.json: not a file of `python -m ray_zero profile`",
+    ),
 ]
 
 
@@ -112,6 +122,7 @@ def _files(tmp_path):
     (tmp_path / "broken.yaml").write_text("steps: 4\ngrid: {stage: [0, 1]\n")
     (tmp_path / "list.yaml").write_text("- steps\n")
     (tmp_path / "a_file").write_text("not a folder")
+    (tmp_path / "bandwidth.json").write_text('{"kind": "ray_zero bandwidth", "results": []}')
     (tmp_path / "earlier").mkdir()
     (tmp_path / "earlier" / "trials.jsonl").write_text('{"trial": "stage0_mb64_w1", "status": "ok"}\n')
 
@@ -128,6 +139,7 @@ def test_bad_input_is_one_clear_line_before_ray_starts(case, args, expected, tmp
     stderr_lines = [line for line in stderr.splitlines() if line.strip()]
     assert returncode == 2, stderr
     assert len(stderr_lines) == 1, stderr
+    expected = expected.format(tmp=tmp_path)
     assert expected in stderr_lines[0] and stderr_lines[0].startswith("ray_zero: error: ")
     assert "Traceback" not in stderr and "dashboard" not in stdout
 

@@ -146,3 +146,51 @@ def test_estimate_with_a_profile_predicts_each_points_step_and_what_bounds_it(tm
     assert "step_ms" in printed and "predicted_samples_per_s" in printed and "comm_ms" in printed
     assert " host" in printed and " communication" in printed and "busbw 0.001 GB/s" in printed
     assert "hooks at 2.00 us each" in printed and "mfu" in printed
+
+
+def test_a_cpu_sweep_row_stores_its_step_predicted_on_a_cpu_profile_beside_the_measured(ranks, tmp_path):
+    # runtime.profile's path through a row (rows.speed_fields): the profile the driver read travels in the
+    # spec with the traced step; the row made from 2 real ranks (DDP on gloo) carries the prediction, its
+    # terms and bound, and measured over predicted; results.md shows them beside the measured samples/s.
+    import dataclasses
+
+    from rank_group import experiment_of, trial_spec
+
+    from ray_zero.config import Point
+    from ray_zero.report.tables import write_results
+    from ray_zero.rows import trial_row
+    from ray_zero.store import append_trial, load_trials
+    from ray_zero.train.grid_trace import trace_grid, trace_key
+
+    profile = read_profile(ray_zero.profile(tmp_path / "cpu.json", device="cpu", budget_s=0.3))
+    experiment = experiment_of("experiments/quick.yaml", "steps=6", "warmup_steps=1")
+    point = Point("torch_zero", 0, 16, 2)
+    bare = trial_spec(experiment, point)  # no profile: blank, with why
+    assert trial_row(bare)["speed_note"] == "no profile given (runtime.profile)"
+    assert "predicted_step_ms" not in trial_row(bare)
+    traced = trace_grid(experiment.model_source(), [point], bare.precision)
+    activations = traced[trace_key(point.backend, bare.precision, point.activation_checkpointing)]
+    spec = dataclasses.replace(bare, activations=activations, profile=profile)
+    untraced = trial_row(dataclasses.replace(spec, activations="no meta kernel for aten::x"))
+    assert untraced["speed_note"] == "step not traced: no meta kernel for aten::x"
+    assert "predicted_step_ms" not in untraced and untraced["speed_profile"] == profile.source
+
+    row = ranks(2).row(spec)
+    assert row["status"] == "ok" and row["memory_kind"] == "cpu_rss", row.get("error")
+    assert row["predicted_step_ms"] > 0
+    assert row["predicted_speed_bound"] in {"compute", "memory", "host"}  # comm: no bandwidth given
+    assert row["predicted_comm_ms"] is None and "communication (no bandwidth given)" in row["speed_note"]
+    assert row["predicted_compute_ms"] + row["predicted_memory_ms"] > 0 and row["predicted_optimizer_ms"] > 0
+    # both ranks' samples, as samples_per_s sums them
+    assert row["predicted_samples_per_s"] == pytest.approx(2 * 16 / (row["predicted_step_ms"] / 1e3))
+    assert row["samples_per_s"] > 0
+    ratio = row["samples_per_s"] / row["predicted_samples_per_s"]
+    assert row["measured_over_predicted_speed"] == pytest.approx(ratio)
+    assert profile.hardware in row["speed_profile"]  # the device the profile measured
+
+    append_trial(tmp_path, row)  # every column registered (a key the registry lacks is refused)
+    write_results(tmp_path, load_trials(tmp_path), None)
+    markdown = (tmp_path / "results.md").read_text()
+    speed = "samples_per_s | predicted_samples_per_s | measured_over_predicted_speed | predicted_speed_bound"
+    assert f"| {speed} |" in markdown
+    assert f"Speed predicted on:\n\n- {profile.source}: every row" in markdown

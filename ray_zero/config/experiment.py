@@ -171,5 +171,10 @@ class Experiment(StrictModel):
         return self.model_copy(update={"steps": steps, "warmup_steps": 1, "epochs": None})
 
     def with_absolute_paths(self) -> "Experiment":
-        """data_dir resolved where the sweep starts: Ray workers run in other working directories."""
-        return self.model_copy(update={"data_dir": str(Path(self.data_dir).expanduser().resolve())})
+        """data_dir (and runtime.profile) resolved where the sweep starts: Ray workers run in other working
+        directories, and a resumed sweep reads its profile from experiment.yaml."""
+        update: dict = {"data_dir": str(Path(self.data_dir).expanduser().resolve())}
+        if self.runtime.profile:
+            profile = str(Path(self.runtime.profile).expanduser().resolve())
+            update["runtime"] = self.runtime.model_copy(update={"profile": profile})
+        return self.model_copy(update=update)

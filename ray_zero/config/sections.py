@@ -273,6 +273,10 @@ class Runtime(StrictModel):
     this many seconds, at most a fiftieth of the time and 0.1 s of CPU per row, the figures from at most
     48 rows, in a thread beside the trials; always once at the end, from every row. 0: as often as that
     allows."""
+    profile: Optional[str] = None
+    """A file of `python -m ray_zero profile` (a device's kernel rates; sweep/fit --profile FILE sets it):
+    each row then stores its step time predicted from its traced step on that device, term by term, beside
+    the measured samples/s (on CPU too, its step traced for it). Read once before Ray starts."""
     loggers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(default_factory=list)
     """Ray Tune's logger callbacks that get every row, flat: tensorboard (event files in each trial's Tune
     folder), mlflow (a run per trial, in MLFLOW_TRACKING_URI or a file store in the output folder's

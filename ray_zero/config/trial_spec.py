@@ -38,10 +38,13 @@ class TrialSpec:
     activations: Any = None
     """The point's training step traced on the meta device before any run (a grid_trace.Traced, from
     ray_zero/train/grid_trace.py), or why it could not be (a str); None: not traced (CPU sweeps, where no
-    peak is predicted)."""
+    peak is predicted, unless a profile asks for their step time)."""
     calibration: Optional[dict] = None
     """calibration.json, where the sweep calibrated: the activations of points that were not traced, and a
     check beside those that were."""
+    profile: Any = None
+    """The device's kernel rates (a measure.gpu_profile.Profile) read once by the driver from
+    runtime.profile: the row's step time is predicted on it (rows.py); None: speed not predicted."""
 
     def __post_init__(self) -> None:
         # On a seq_len axis the model's description is the point's own (its FLOPs, sample bytes, seq_len).

@@ -131,7 +131,7 @@ def table(
                 text = percent_text(number)
             elif "_gib" in column and number is not None:  # GiB to the hundredth; small ones 3 figures
                 text = f"{number:.2f}" if abs(number) >= 1 else f"{number:.3g}"
-            elif column == "measured_over_predicted" and number is not None:
+            elif column.startswith("measured_over_predicted") and number is not None:
                 text = f"{number:.3f}"
             if column == "loss_last" and present(record.get("loss_first")):
                 text = f"{fmt(record['loss_first'], 3)} → {fmt(value, 3)}"

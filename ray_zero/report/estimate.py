@@ -22,12 +22,10 @@ from ray_zero.measure import error_band
 from ray_zero.measure.bandwidth import Bandwidth
 from ray_zero.measure.calibration import read_calibration
 from ray_zero.measure.engine_memory import paper
-from ray_zero.measure.engine_time import engine_time
 from ray_zero.measure.gpu_profile import Profile
 from ray_zero.measure.meter import peak_tflops
-from ray_zero.measure.partitions import held
+from ray_zero.measure.point_speed import point_speed as predict_point_speed
 from ray_zero.measure.prediction import GIB
-from ray_zero.measure.step_time import predict_step
 from ray_zero.rows import band_fields, trial_row
 from ray_zero.train.grid_trace import Traced, trace_grid, trace_key, traced_names
 
@@ -134,28 +132,28 @@ def estimate(
 def point_speed(
     point, traced, model, profile: Profile, experiment: Experiment, precision: str, bandwidth
 ) -> dict:
-    """The point's step on the profile's GPU (measure/step_time.py): its traced kernels, an AdamW step over
-    the parameters its fullest rank steps, the engine's hooks and exposed communication
-    (measure/engine_time.py); blank where the step was not traced."""
+    """The point's step on the profile's GPU (measure/point_speed.py, as a sweep's row stores it): its
+    traced kernels, an AdamW step over the parameters its fullest rank steps, the engine's hooks and
+    exposed communication; blank where the step was not traced."""
     step = traced.at(point.micro_batch_size) if isinstance(traced, Traced) else None
     if step is None or not step.ops:
         return dict.fromkeys(SPEED_COLUMNS)
     model = model.at(point.seq_len)
-    shapes = model.trainable_param_shapes, model.frozen_param_shapes
-    stepped = held(*shapes, point.backend, point.stage, point.num_workers, model.unreached_params).states
-    kernels = predict_step(step.ops, profile, stepped, experiment.gradient_accumulation_steps)
-    bucket = experiment.reduce_bucket_size
-    predicted, engine = engine_time(kernels, model, point, precision, bandwidth, profile.hook_s, bucket)
-    samples_per_s = predicted.samples_per_s(point.micro_batch_size, point.num_workers)
+    accumulation, bucket = experiment.gradient_accumulation_steps, experiment.reduce_bucket_size
+    predicted = predict_point_speed(
+        step.ops, model, point, profile, precision, accumulation, bucket, bandwidth
+    )
+    samples_per_s = predicted.samples_per_s
     peak = peak_tflops(profile.hardware, precision)
     flops = model.flops_per_sample * samples_per_s / point.num_workers  # per GPU
+    terms = predicted.terms_ms()
     return {
-        "step_ms": predicted.step_s * 1e3,
-        "comm_ms": predicted.comm_s * 1e3 if bandwidth is not None or point.num_workers < 2 else None,
-        "hooks_ms": predicted.accumulation * predicted.hooks_s * 1e3 if profile.hook_s else None,
+        "step_ms": predicted.step.step_s * 1e3,
+        "comm_ms": terms["comm"],
+        "hooks_ms": terms["hooks"] if profile.hook_s else None,
         "predicted_samples_per_s": samples_per_s,
         "mfu": flops / (peak * 1e12) if peak and model.flops_per_sample else None,
-        "bound": predicted.bound,
+        "bound": predicted.step.bound,
     }
 
 

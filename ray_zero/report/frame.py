@@ -20,6 +20,20 @@ def markdown_columns() -> list[str]:
     return [c.name for c in TRIAL.view("md")]
 
 
+def with_record_columns(frame: pd.DataFrame, rows: Iterable[dict[str, Any]], view: str) -> pd.DataFrame:
+    """The frame (results.csv's columns) with the `view`'s columns that only trials.jsonl keeps (the
+    predicted speed), taken from each trial's row; a column blank in every row is left out."""
+    by_trial = {str(row.get("trial")): row for row in rows}
+    frame = frame.copy()
+    for column in TRIAL.view(view):
+        if column.name in frame or not len(frame):
+            continue
+        values = frame["trial"].astype(str).map(lambda t: by_trial.get(t, {}).get(column.name))
+        if values.notna().any():
+            frame[column.name] = values
+    return frame
+
+
 def rows_frame(rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
     columns = results_columns()
     frame = pd.DataFrame([{c: row.get(c) for c in columns} for row in rows], columns=columns)

@@ -21,7 +21,7 @@ from ray_zero.report.against import AgainstFigures
 from ray_zero.report.breakdown import BreakdownFigures
 from ray_zero.report.data import REPORT_FILE, Sweep, read_sweep, table
 from ray_zero.report.fit_figures import FitFigures
-from ray_zero.report.frame import memory_note
+from ray_zero.report.frame import memory_note, with_record_columns
 from ray_zero.report.speed_estimate import folder_speed
 from ray_zero.report.step_figures import StepFigures
 from ray_zero.report.summary import header, headline
@@ -98,6 +98,7 @@ def render(output_dir: Path, figure_rows: Optional[int] = None) -> tuple[str, di
         speed_columns = [(c, c.replace("_", " "), c) for c in frame.columns]
         speed_table = table(frame.round(4), speed_columns, keep_constant=[c for c, _, _ in speed_columns])
     frame = sweep.frame.sort_values(SORT_KEYS, kind="stable") if len(sweep.frame) else sweep.frame
+    frame = with_record_columns(frame, sweep.rows.values(), "page")  # the predicted speed, where rows have it
     environment = Environment(
         loader=FileSystemLoader(TEMPLATES),
         autoescape=select_autoescape(["html", "j2"]),

@@ -20,6 +20,7 @@ from ray_zero.report.frame import (
     markdown_table,
     memory_note,
     rows_frame,
+    with_record_columns,
 )
 from ray_zero.report.page import write_html_report
 from ray_zero.rows import aggregate_ranks, per_rank_columns
@@ -31,12 +32,15 @@ _UNSTABLE = "timing_min_s or timing_spread not met within the timed steps (timin
 
 def row_notes(frame: pd.DataFrame, rows: list[dict[str, Any]]) -> list[str]:
     """What trials.jsonl alone holds, said once per value with its trials in table order: what each ok
-    row's prediction rests on, why MFU is blank, which rows' timing never met its bound."""
+    row's prediction rests on, why MFU is blank, the profile the speed was predicted on and what that
+    prediction leaves out, which rows' timing never met its bound."""
     by_trial = {str(row.get("trial")): row for row in rows}
     ordered = [by_trial[t] for t in frame["trial"].astype(str) if t in by_trial] if len(frame) else []
     notes = (
         ("Predictions", lambda r: r.get("status") == "ok" and r.get("prediction")),
         ("MFU blank", lambda r: r.get("status") == "ok" and r.get("mfu_blank")),
+        ("Speed predicted on", lambda r: r.get("speed_profile")),
+        ("Predicted speed", lambda r: r.get("speed_profile") and r.get("speed_note")),
         ("Timing not stable", lambda r: r.get("timing_unstable") and _UNSTABLE),
     )
     parts: list[str] = []
@@ -61,7 +65,7 @@ def render_markdown(
     parts = [f"# {title}: results", ""]
     if provenance:
         parts += [f"- {key}: {value}" for key, value in provenance.items() if key != "experiment"] + [""]
-    parts += [memory_note(frame), "", markdown_table(frame), ""]
+    parts += [memory_note(frame), "", markdown_table(with_record_columns(frame, rows, "md")), ""]
     parts += row_notes(frame, rows)
     failures = frame[frame["status"].isin(NOT_OK)] if len(frame) else frame
     if len(failures):

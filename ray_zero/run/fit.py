@@ -108,10 +108,11 @@ def run_fit(
     verbose: bool = False,
     command: Optional[str] = None,
     fits_checked: bool = False,
+    profile=None,
 ):
     """Search, time, write the fit tables and the best configs; return the results table."""
     session = Session(
-        experiment, model, output_dir, address, command, resume, diagnostics, verbose, fits_checked
+        experiment, model, output_dir, address, command, resume, diagnostics, verbose, fits_checked, profile
     )
     target = settings.target
     with session:

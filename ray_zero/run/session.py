@@ -24,6 +24,7 @@ from ray import tune
 from ray_zero.config import ConfigError, Experiment, Point, TrialSpec
 from ray_zero.console import log
 from ray_zero.measure.calibration import read_calibration
+from ray_zero.measure.gpu_profile import read_profile
 from ray_zero.rows import finish_row, skipped_row
 from ray_zero.run.cluster import NODE_ID_LABEL, head_node_id, joined_cluster, start_ray, stop_ray
 from ray_zero.run.loggers import caller_state_kept, logger_callbacks
@@ -151,6 +152,7 @@ class Session:
         diagnostics: bool = False,
         verbose: bool = False,
         fits_checked: bool = False,
+        profile=None,
     ):
         self.command = command or " ".join(
             shlex.quote(a) for a in ["python", "-m", "ray_zero", *sys.argv[1:]]
@@ -160,6 +162,11 @@ class Session:
         self.experiment, self.model, self.resume = experiment.with_absolute_paths(), model, resume
         self.diagnostics, self.address, self.verbose = diagnostics, address, verbose
         self.fits_checked = fits_checked
+        self.profile = profile
+        """runtime.profile as ray_zero.api read it before Ray (a gpu_profile.Profile): every trial's spec
+        carries it, and its row the step predicted on it; read here where the caller did not."""
+        if profile is None and self.experiment.runtime.profile:
+            self.profile = read_profile(Path(self.experiment.runtime.profile))
         self.recorders: list = []
         """The recorders of this session's Tuners and searches (their drawing ends before finish's)."""
 
@@ -190,7 +197,8 @@ class Session:
                 }
             self.provenance = prov
             self.calibration = read_calibration(self.output_dir)
-            self.traces = self._trace() if self.plan.use_gpu else {}
+            # On CPU the step is traced only for its predicted time (no peak is predicted there).
+            self.traces = self._trace() if self.plan.use_gpu or self.profile is not None else {}
             self._write_experiment()
             storage = self.experiment.runtime.storage_path or str(self.output_dir)
             self.storage = storage if "://" in storage else str(Path(storage).resolve())
@@ -249,6 +257,7 @@ class Session:
             private_ray=not self.joined,
             activations=self.traces.get(key),
             calibration=self.calibration,
+            profile=self.profile,
         )
 
     def record_skipped(self) -> None:
