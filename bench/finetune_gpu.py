@@ -11,8 +11,8 @@ bf16, no checkpointing:
 - LoRA r 16 (alpha 32) on the attention projections, and, apart, the embeddings and the first half of the
   blocks frozen by fnmatch pattern; each on DeepSpeed ZeRO-1 and ZeRO-3, FSDP2 (stage 3) and DDP
   (torch_zero stage 0), at the chosen micro-batch;
-- for the token models, LoRA on DeepSpeed ZeRO-1 at micro-batch 1 over a seq_len grid (1,024 to 8,192
-  for the decoder, 64 to 512 for the encoder).
+- for the token models, LoRA on DeepSpeed ZeRO-1 over a seq_len grid: 1,024 to 8,192 tokens at
+  micro-batch 1 for the decoder, 64 to 512 at the chosen micro-batch for the encoder.
 
 Each finetune kind is one experiment, so one run folder as a sweep writes it: OUTPUT/<family>/lora and
 OUTPUT/<family>/frozen (`python -m ray_zero report` reads either); one line per family in
@@ -72,6 +72,9 @@ class Family:
     tiny_seq_len: int | None = None
     tiny_seq_grid: tuple[int, ...] = ()
     what: str = ""
+    grid_micro: int | None = None
+    """The seq_len grid's micro-batch; None: the family's chosen one (an encoder's 512 tokens at one sample
+    would be model states only)."""
 
 
 FAMILIES = {
@@ -107,6 +110,7 @@ FAMILIES = {
         64,
         (32, 64, 128, 256),
         "decoder: Llama shape, 1.1 B",
+        1,
     ),  # fmt: skip
     "bert": Family(
         "hf:bert",
@@ -158,7 +162,7 @@ def freeze_patterns(family: Family, tiny: bool) -> list[str]:
     return [*family.frozen_embedding, *(family.block.format(i) for i in range(layers // 2))]
 
 
-def experiment_dicts(job: dict, micro: int) -> dict[str, dict]:
+def experiment_dicts(job: dict, micro: int, grid_micro: int = 1) -> dict[str, dict]:
     """{lora | frozen: the experiment as a file would hold it}: one run folder each."""
     family, tiny = FAMILIES[job["family"]], job["tiny"]
     seq_len = seq_len_of(job)
@@ -181,8 +185,8 @@ def experiment_dicts(job: dict, micro: int) -> dict[str, dict]:
     }
     lora = {"lora": {**LORA, "target_modules": list(family.lora_targets)}}
     lora_grid = dict(grid)
-    if grid_seq:  # the seq_len axis: the engines' rows at the family's seq_len, the grid at micro-batch 1
-        lora_grid.update(seq_len=sorted({*grid_seq, seq_len}), micro_batch_size=sorted({1, micro}))
+    if grid_seq:  # the seq_len axis: the engines' rows at the family's seq_len, the grid at its micro-batch
+        lora_grid.update(seq_len=sorted({*grid_seq, seq_len}), micro_batch_size=sorted({grid_micro, micro}))
     question = "{}: {} on DeepSpeed 1 and 3, FSDP2 and DDP, traced peak against measured (issue 66)"
     adapters = f"LoRA r {LORA['r']} on {', '.join(family.lora_targets)}"
     frozen = "the embeddings and the first half of the blocks frozen"
@@ -190,7 +194,7 @@ def experiment_dicts(job: dict, micro: int) -> dict[str, dict]:
         "lora": {
             "name": f"{job['family']}_lora",
             "question": question.format(family.what, adapters)
-            + (f"; and a seq_len grid {grid_seq} at micro-batch 1 on {SEQ_ENGINE}" if grid_seq else ""),
+            + (f"; a seq_len grid {grid_seq}, micro-batch {grid_micro}, {SEQ_ENGINE}" if grid_seq else ""),
             **base, "finetune": lora, "grid": lora_grid,
             **({} if grid_seq else {"seq_len": seq_len}),
         },
@@ -207,9 +211,9 @@ def seq_len_of(job: dict) -> int | None:
     return family.tiny_seq_len if job["tiny"] else family.seq_len
 
 
-def points_of(kind: str, experiment, micro: int, seq_len: int | None) -> dict:
+def points_of(kind: str, experiment, micro: int, seq_len: int | None, grid_micro: int) -> dict:
     """{row name: Point}: the four engines at `micro` (at the family's seq_len), and for LoRA on a seq_len
-    axis the grid at micro-batch 1 on SEQ_ENGINE."""
+    axis the grid at `grid_micro` on SEQ_ENGINE."""
     from ray_zero.config import Point
 
     axis = experiment.grid.seq_len
@@ -218,9 +222,9 @@ def points_of(kind: str, experiment, micro: int, seq_len: int | None) -> dict:
         points[f"{kind} {engine}"] = Point(backend, stage, micro, 1, False, seq_len=seq_len if axis else None)
         if engine == SEQ_ENGINE and axis:
             for length in sorted(axis):
-                point = Point(backend, stage, 1, 1, False, seq_len=length)
-                if point not in points.values():  # at micro-batch 1, the engine's own row is one of them
-                    points[f"{kind} {engine} mb1 s{length}"] = point
+                point = Point(backend, stage, grid_micro, 1, False, seq_len=length)
+                if point not in points.values():  # the engine's own row may be one of them
+                    points[f"{kind} {engine} mb{grid_micro} s{length}"] = point
     return points
 
 
@@ -249,16 +253,19 @@ def run_family(job: dict, say, connection, record: dict) -> dict:
     at = Point("deepspeed", 1, 1, 1, False, seq_len=seq_len if lora.grid.seq_len else None)
     chosen = chosen or choose_micro_batch(lora.model_source(at), job["target_gib"] * GIB)  # LoRA's step
     micro = chosen["micro_batch"]
+    grid_micro = family.grid_micro or micro
     record.update(
-        model=family.model, config=_config(family, job["tiny"]), sizes={**chosen, "seq_len": seq_len}
+        model=family.model,
+        config=_config(family, job["tiny"]),
+        sizes={**chosen, "seq_len": seq_len, "grid_micro_batch": grid_micro},
     )
     say("sized", record)
     say("phase", "tracing")
     runs = {}  # kind: (experiment, {name: TrialSpec})
-    for kind, raw in experiment_dicts(job, micro).items():
+    for kind, raw in experiment_dicts(job, micro, grid_micro).items():
         experiment = validate_experiment(raw, source=f"{job['family']} {kind}")
         model = describe_lengths(experiment.model_source(), experiment.grid.seq_len)
-        points = points_of(kind, experiment, micro, seq_len)
+        points = points_of(kind, experiment, micro, seq_len, grid_micro)
         traced = trace_grid(experiment.model_source(), points.values(), PRECISION)
         folder = str(Path(job["folder"]) / kind)
         specs = {}

@@ -116,8 +116,8 @@ def tables(folders: list[Path]) -> str:
     forms = [r for r in rows if is_form(r)]
     grid = [
         r for r in rows
-        if r["kind"] == "lora" and r["row"].get("seq_len") and r["row"]["micro_batch_size"] == 1
-        and engine(r["row"]) == GRID_ENGINE
+        if r["kind"] == "lora" and r["row"].get("seq_len")
+        and r["row"]["micro_batch_size"] == at(r, "grid_micro_batch") and engine(r["row"]) == GRID_ENGINE
     ]  # fmt: skip
     out = [f"# Fine-tuning on one device (issue 66): {len(records)} families, {len(rows)} rows", ""]
     out += _header(records) + [""]
@@ -153,16 +153,16 @@ def tables(folders: list[Path]) -> str:
     out += ["", f"{ran} of {len(forms)} rows ran; states to the byte in {exact}"
             + (f"; peak within 5 % of the prediction in {within}" if on_gpu else "") + ".", ""]  # fmt: skip
     if grid:
-        out += ["## The seq_len grid (LoRA, micro-batch 1)", ""]
-        out += ["| family | engine | seq_len | measured GiB | predicted GiB | measured/predicted | states |"]
-        out += ["|---|---|---|---|---|---|---|"]
+        out += ["## The seq_len grid (LoRA)", ""]
+        out += ["| family | engine | micro-batch | seq_len | measured GiB | predicted GiB | "
+                "measured/predicted | states |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in sorted(grid, key=lambda r: (r["family"], r["row"]["seq_len"])):
             row = r["row"]
             ok, why = states_check(row, r["tensors"]) if row.get("status") == "ok" else (False, row["status"])
             measured, predicted = _gib(row.get("peak_allocated_gib_max")), _gib(row.get("predicted_peak_gib"))
             out.append(
-                f"| {r['family']} | {engine(row)} | {row['seq_len']:,} | {measured} | {predicted} | "
-                f"{_ratio(row)} | {'yes' if ok else 'no'} ({why}) |"
+                f"| {r['family']} | {engine(row)} | {row['micro_batch_size']} | {row['seq_len']:,} | "
+                f"{measured} | {predicted} | {_ratio(row)} | {'yes' if ok else 'no'} ({why}) |"
             )
         out.append("")
     failed = [(name, r) for name, r in sorted(records.items()) if r.get("status") not in ("ok", "planned")]
