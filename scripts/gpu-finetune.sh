@@ -9,7 +9,10 @@ set -u
 NO_RAY=1 source scripts/gpu-env.sh
 DIR=${DIR:-results/finetune-h100}
 mkdir -p "$DIR"
-python3 -c "import peft, accelerate" || { echo "finetune: peft or accelerate missing from .whl/: see the head of this script"; exit 2; }
+# gpu-env.sh installs .whl/ once per machine: a machine warm from a bundle without peft gets its wheels now
+python3 -c "import peft" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+  --target "$SITE" .whl/peft-*.whl .whl/accelerate-*.whl 2>/dev/null
+python3 -c "import peft, accelerate" || { echo "finetune: no peft or accelerate in .whl/ (see above)"; exit 2; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$DIR/gpu.txt"
 python3 bench/finetune_gpu.py --output "$DIR" --budget-s 60 --timeout-s "${TIMEOUT:-420}" --jobs "${JOBS:-3}" "$@" \
   2>&1 | tee -a "$DIR/parts.log" | grep -E "^\[|^finetune|^population" | cut -c1-400
