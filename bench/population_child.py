@@ -16,6 +16,7 @@ Also `ops` jobs: one form's step compared op by op (bench/trace_gpu.run_case) on
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import sys
 import time
@@ -57,6 +58,9 @@ def main(connection, job: dict) -> None:
     record: dict[str, Any] = {}  # filled as the child goes: what it knew when it failed stays
     try:
         run = run_ops if job["kind"] == "ops" else run_family
+        if job.get("entry"):  # another bench's family, same protocol: "module:function" (finetune_gpu.py)
+            module, name = job["entry"].split(":")
+            run = getattr(importlib.import_module(module), name)
         record = run(job, say, connection, record)
     except BaseException as error:  # the harness's own failure, or the model's before any form ran
         print(traceback.format_exc(), flush=True)
@@ -206,8 +210,10 @@ def run_family(job: dict, say, connection, record: dict) -> dict:
 
 
 def _train_forms(job: dict, specs: dict, skipped: dict, device, provenance: dict, say) -> dict:
-    """Each form trained in turn in this process (one rank), its row appended to trials.jsonl as it ends;
-    the `skipped` ones (name: why) recorded as skipped rows."""
+    """Each form trained in turn in this process (one rank), its row appended to its spec's folder's
+    trials.jsonl (spec.storage_path: one folder here, one per experiment in bench/finetune_gpu.py) as it
+    ends; the `skipped` ones (name: why) recorded as skipped rows. `provenance`: the results' provenance,
+    or {folder: provenance} for several folders. One process group for all: DeepSpeed keeps the first."""
     import torch
     import torch.distributed as dist
     from zoo import _release  # scripts/zoo.py: free what the last run left, the bytes still allocated
@@ -217,7 +223,6 @@ def _train_forms(job: dict, specs: dict, skipped: dict, device, provenance: dict
     from ray_zero.store import append_trial
     from ray_zero.train.worker import train
 
-    folder = Path(job["folder"])
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
     )
@@ -227,6 +232,7 @@ def _train_forms(job: dict, specs: dict, skipped: dict, device, provenance: dict
     baseline = _release(device)
     rows, forms = [], {}
     for name, spec in specs.items():
+        folder = Path(spec.storage_path)
         say("phase", f"training {name}")
         row = trial_row(spec)
         leftover = _release(device) - baseline
@@ -252,7 +258,9 @@ def _train_forms(job: dict, specs: dict, skipped: dict, device, provenance: dict
         forms[name] = _summary(row, spec, leftover)
         say("form", {"name": name, **forms[name]})
     dist.destroy_process_group()
-    write_results(folder, rows, provenance)
+    for folder in dict.fromkeys(str(spec.storage_path) for spec in specs.values()):
+        mine = [row for row, spec in zip(rows, specs.values()) if str(spec.storage_path) == folder]
+        write_results(Path(folder), mine, provenance.get(folder, provenance))
     failed = [n for n, f in forms.items() if f["status"] not in ("ok", "skipped")]
     return {
         "status": "ok" if not failed else "some forms failed",
