@@ -15,14 +15,24 @@ the next case would not fit what is left of its share):
   without no-op forward hooks, the difference per hook (the floor of an engine's hooks: DeepSpeed's and
   FSDP2's do more in theirs).
 
-A GPU call's device time is read between CUDA events, with the calls queued behind a short sleep kernel
-so that the host's launches do not show in it; on the CPU, perf_counter. (torch.utils.benchmark.Timer
-times with the host's clock and a synchronize: it would read small kernels at their launch cost.)
+Each point is timed as REPEATS short repeats of the same number of calls, and keeps the fastest repeat
+(torch.utils.benchmark's practice on a noisy host: the other work of the machine only adds time) beside
+the repeats' spread (IQR over median, and max over min, as torch.utils.benchmark.Measurement computes
+them), so a reader sees which points are noisy. On the shared 2-core machine, one mean of at most 100
+calls per point moved up to 1,800x between two profiles two minutes apart.
+
+A GPU repeat's device time is read between CUDA events, its calls queued behind a short sleep kernel so
+that the host's launches do not show in it; on the CPU, perf_counter with the garbage collector off.
+torch.utils.benchmark.Timer does not fit the timing itself: it reads a GPU with the host's clock and a
+synchronize (small kernels at their launch cost), its timeit() adds two warm-up calls to every repeat (3x
+a large case's time), and adaptive_autorange() sizes blocks at 10^4 x its timer's overhead with no
+floor on their count under max_run_time.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import json
 import platform
 import time
@@ -31,6 +41,8 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.utils.benchmark import Measurement
+from torch.utils.benchmark.utils.common import TaskSpec
 from torch.utils.flop_counter import conv_flop_count, sdpa_flop_count
 
 from ray_zero.measure.gpu_profile import FILE_KIND
@@ -48,6 +60,10 @@ SLEEP_CYCLES = 2_000_000
 GROWTH = 4
 """About how much longer each case of a section takes than the one before it (its tensors made, its
 calls timed)."""
+REPEATS = 5
+"""Repeats per point: the fastest is kept, their spread recorded."""
+MAX_CALLS = {"cuda": 100, "cpu": 10_000}
+"""Calls in one repeat at most; on a GPU, no more than its sleep kernel hides the launches of."""
 ADAM_BYTES = 28
 """An fp32 AdamW step per parameter: reads the parameter, its gradient and two moments, writes three."""
 
@@ -60,10 +76,16 @@ def _synchronize(device: torch.device) -> None:
 def _timed(fn: Callable[[], object], calls: int, device: torch.device) -> float:
     """Seconds per call of `calls` calls back to back, as the device runs them."""
     if device.type != "cuda":
-        started = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - started) / calls
+        collecting = gc.isenabled()
+        gc.disable()  # as timeit does: a collection is the host's, not the kernel's
+        try:
+            started = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            return (time.perf_counter() - started) / calls
+        finally:
+            if collecting:
+                gc.enable()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(SLEEP_CYCLES)  # the device waits while the host queues the calls
     start.record()
@@ -74,63 +96,101 @@ def _timed(fn: Callable[[], object], calls: int, device: torch.device) -> float:
     return start.elapsed_time(end) / 1e3 / calls
 
 
-def seconds_per_call(fn: Callable[[], object], device: torch.device, target_s: float) -> float:
-    """One call's seconds: after a warm-up call (kernel choice, caches), as many calls as fill `target_s`
-    (at most 100, queued behind one sleep)."""
+def repeats_summary(times: list[float], calls: int, what: str = "") -> dict:
+    """The fastest repeat's seconds per call, and the repeats' spread: {"seconds", "median_s",
+    "iqr_over_median", "max_over_min", "repeats", "calls"} (`calls`: per repeat)."""
+    measured = Measurement(calls, [t * calls for t in times], TaskSpec(stmt=what or "fn()", setup=""))
+    return {
+        "seconds": min(times),
+        "median_s": measured.median,
+        "iqr_over_median": measured.iqr / measured.median,
+        "max_over_min": max(times) / min(times),
+        "repeats": len(times),
+        "calls": calls,
+    }
+
+
+def seconds_per_call(fn: Callable[[], object], device: torch.device, target_s: float) -> dict:
+    """One call's seconds, as repeats_summary gives them: after a warm-up call (kernel choice, caches),
+    REPEATS repeats of as many calls as fill `target_s` / REPEATS (at most MAX_CALLS). A repeat under a
+    quarter of that (the calls were counted from a disturbed, slow call) restarts the repeats with more
+    calls; calls only grow, so the loop ends."""
     fn()
     _synchronize(device)
-    calls, seconds = 1, _timed(fn, 1, device)
-    while seconds * calls < target_s and calls < 100:
-        calls = min(100, max(2 * calls, int(target_s / max(seconds, 1e-7))))
+    repeat_s, most = target_s / REPEATS, MAX_CALLS["cuda" if device.type == "cuda" else "cpu"]
+    calls, times = 1, []
+    while len(times) < REPEATS:
         seconds = _timed(fn, calls, device)
-    return seconds
+        if calls < most and seconds * calls < repeat_s / 4:
+            calls, times = min(most, max(2 * calls, int(repeat_s / max(seconds, 1e-9)))), []
+            continue
+        times.append(seconds)
+    return repeats_summary(times, calls)
 
 
-def launch_seconds(device: torch.device, launches: int = 500) -> float:
-    """The host's seconds per tiny in-place add, not waiting for the device (a GPU's queue holds them)."""
+def launch_seconds(device: torch.device, launches: int = 500) -> dict:
+    """The host's seconds per tiny in-place add, not waiting for the device (a GPU's queue holds them), as
+    repeats_summary gives them: REPEATS repeats of `launches`, the device drained between them."""
     x = torch.zeros(1, device=device)
     for _ in range(20):
         x.add_(1)
+    times = []
+    for _ in range(REPEATS):
+        _synchronize(device)
+        started = time.perf_counter()
+        for _ in range(launches):
+            x.add_(1)
+        times.append((time.perf_counter() - started) / launches)
     _synchronize(device)
-    started = time.perf_counter()
-    for _ in range(launches):
-        x.add_(1)
-    seconds = (time.perf_counter() - started) / launches
-    _synchronize(device)
-    return seconds
+    return repeats_summary(times, launches, "x.add_(1)")
 
 
-def hook_seconds(hooks: int = 20, calls: int = 300) -> float:
+def hook_seconds(hooks: int = 20, calls: int = 300) -> dict:
     """The host's seconds per call of a no-op forward hook: a hooked nn.Identity's calls less a bare one's,
-    per hook (the fewest of three tries each: the host's other work only adds)."""
+    per hook, as repeats_summary gives them. REPEATS alternate pairs of the two; the figure is the fastest
+    hooked repeat less the fastest bare one (the host's other work only adds), the spread the pairs'."""
     bare, hooked, x = torch.nn.Identity(), torch.nn.Identity(), torch.zeros(1)
     for _ in range(hooks):
         hooked.register_forward_hook(lambda module, args, out: None)
+    pairs = [(_timed(lambda: hooked(x), calls, x.device), _timed(lambda: bare(x), calls, x.device))
+             for _ in range(REPEATS)]  # fmt: skip
+    summary = repeats_summary([max(h - b, 1e-9) / hooks for h, b in pairs], calls, "hooked(x) - bare(x)")
+    fastest = min(h for h, _ in pairs) - min(b for _, b in pairs)
+    return summary | {"seconds": max(fastest, 1e-9) / hooks}
 
-    def fewest(module) -> float:
-        times = []
-        for _ in range(3):
-            started = time.perf_counter()
-            for _ in range(calls):
-                module(x)
-            times.append((time.perf_counter() - started) / calls)
-        return min(times)
 
-    return max(fewest(hooked) - fewest(bare), 1e-9) / hooks
+MATMULS = sorted(
+    [(n, n, n) for n in (256, 512, 1024, 2048, 4096, 8192)]
+    + [(t, n, k) for t in (2048, 8192, 32768) for n, k in ((768, 768), (3072, 768), (768, 3072))],
+    key=lambda s: s[0] * s[1] * s[2],
+)
+"""(M, N, K) of the matmul cases, by FLOPs."""
+ATTENTIONS = sorted((seq, head) for seq in (256, 512, 1024, 2048, 4096, 8192) for head in (64, 128))
+"""(sequence, head size) of the attention cases."""
+CONVS = [
+    (32, 3, 224, 64, 7, 2),
+    (32, 64, 56, 64, 3, 1),
+    (32, 256, 56, 64, 1, 1),
+    (32, 128, 28, 128, 3, 1),
+    (32, 256, 14, 256, 3, 1),
+    (32, 512, 7, 512, 3, 1),
+]
+"""(batch, in channels, size, out channels, kernel, stride): ResNet-50's stem and stages."""
+VECTOR_EXPONENTS = range(14, 29, 2)
+"""log2 of the elementwise and reduction cases' elements: 16 K to 256 M."""
+ADAMW_MILLIONS = (1, 4, 16, 64, 256)
+"""Millions of parameters (2^20) of the optimizer step cases."""
 
 
 def _matmul(device, dtype) -> Iterator:
-    shapes = [(n, n, n) for n in (256, 512, 1024, 2048, 4096, 8192)]
-    shapes += [(t, n, k) for t in (2048, 8192, 32768) for n, k in ((768, 768), (3072, 768), (768, 3072))]
-    for m, n, k in sorted(shapes, key=lambda s: s[0] * s[1] * s[2]):
+    for m, n, k in MATMULS:
         a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
         moved = (m * k + k * n + m * n) * a.element_size()
         yield {"shape": [m, n, k], "flops": 2 * m * n * k, "bytes": moved}, lambda a=a, b=b: torch.mm(a, b)
 
 
 def _attention(device, dtype) -> Iterator:
-    cases = [(seq, head) for seq in (256, 512, 1024, 2048, 4096, 8192) for head in (64, 128)]
-    for seq, head in sorted(cases):
+    for seq, head in ATTENTIONS:
         batch, heads = max(1, 8192 // seq), 2048 // head  # 8192 tokens of width 2048 a call
         q, k, v = (torch.randn(batch, heads, seq, head, device=device, dtype=dtype) for _ in range(3))
         row = {
@@ -143,15 +203,7 @@ def _attention(device, dtype) -> Iterator:
 
 
 def _conv(device, dtype) -> Iterator:
-    # (batch, in channels, size, out channels, kernel, stride): ResNet-50's stem and stages
-    layers = [
-        (32, 3, 224, 64, 7, 2),
-        (32, 64, 56, 64, 3, 1),
-        (32, 256, 56, 64, 1, 1),
-        (32, 128, 28, 128, 3, 1),
-    ]
-    layers += [(32, 256, 14, 256, 3, 1), (32, 512, 7, 512, 3, 1)]
-    for batch, cin, size, cout, kernel, stride in layers:
+    for batch, cin, size, cout, kernel, stride in CONVS:
         x = torch.randn(batch, cin, size, size, device=device, dtype=dtype)
         w = torch.randn(cout, cin, kernel, kernel, device=device, dtype=dtype)
         out = F.conv2d(x, w, stride=stride, padding=kernel // 2)
@@ -164,7 +216,7 @@ def _conv(device, dtype) -> Iterator:
 
 
 def _elementwise(device, dtype) -> Iterator:
-    for exponent in range(14, 29, 2):  # 16 K to 256 M elements
+    for exponent in VECTOR_EXPONENTS:
         a = torch.randn(2**exponent, device=device, dtype=dtype)
         b = torch.empty_like(a)
         yield (
@@ -174,13 +226,13 @@ def _elementwise(device, dtype) -> Iterator:
 
 
 def _reduction(device, dtype) -> Iterator:
-    for exponent in range(14, 29, 2):
+    for exponent in VECTOR_EXPONENTS:
         a = torch.randn(2**exponent, device=device, dtype=dtype)
         yield {"shape": [a.numel()], "bytes": a.numel() * a.element_size()}, lambda a=a: a.sum()
 
 
 def _adamw(device, kind: str) -> Iterator:
-    for millions in (1, 4, 16, 64, 256):
+    for millions in ADAMW_MILLIONS:
         params = [torch.zeros(min(4, millions) * 2**20, device=device) for _ in range(max(1, millions // 4))]
         for p in params:
             p.grad = torch.randn_like(p)
@@ -193,33 +245,43 @@ def _adamw(device, kind: str) -> Iterator:
 
 
 def measure(device: torch.device, budget_s: float) -> dict:
-    """The profile's figures: {"launch_s", "hook_s", "results": [{"kind", "dtype", "shape", "flops", "bytes",
-    "seconds", ...}]}, each section within its share of `budget_s`."""
+    """The profile's figures: {"launch_s", "hook_s", "launch", "hook", "results": [{"kind", "dtype", "shape",
+    "flops", "bytes", "seconds", "median_s", "iqr_over_median", "max_over_min", "repeats", "calls", ...}],
+    "left_out": [{"kind", "dtype", "cases", "after"}]} (the larger cases of a section not timed within its
+    share, after the shape that was), each section within its share of `budget_s`;
+    "seconds" is the fastest repeat's."""
     dtypes = ["bf16", "fp16", "fp32"] if device.type == "cuda" else ["fp32", "bf16"]
-    launch_s = launch_seconds(device)
+    launch = launch_seconds(device)
     sections = [
         (kind, dtype, lambda k=kind, d=dtype: CASES[k](device, DTYPES[d]))
         for kind in CASES
         for dtype in dtypes
     ]
     sections += [(f"adamw_{kind}", "fp32", lambda k=kind: _adamw(device, k)) for kind in ("foreach", "fused")]
-    results = []
+    results, left_out = [], []
     for kind, dtype, cases in sections:
         share = budget_s * SHARES[kind.split("_")[0]] / (len(dtypes) if kind in CASES else 2)
         started = case_started = time.perf_counter()
+        measured = 0
         try:
             for row, fn in cases():
-                seconds = seconds_per_call(fn, device, target_s=min(0.02, share / 20))
-                results.append({"kind": kind, "dtype": dtype, **row, "seconds": seconds})
+                timing = seconds_per_call(fn, device, target_s=min(0.02, share / 20))
+                results.append({"kind": kind, "dtype": dtype, **row, **timing})
+                measured += 1
                 now = time.perf_counter()
                 if now - started + GROWTH * (now - case_started) > share:
-                    break  # the next, larger case would overrun the section's share
+                    if measured < CASE_COUNTS[kind.split("_")[0]]:  # the next, larger case would overrun
+                        left = CASE_COUNTS[kind.split("_")[0]] - measured
+                        left_out.append({"kind": kind, "dtype": dtype, "cases": left, "after": row["shape"]})
+                    break
                 case_started = now
         except (RuntimeError, torch.OutOfMemoryError) as error:  # a dtype or size this device refuses
             results.append({"kind": kind, "dtype": dtype, "error": str(error).splitlines()[0][:200]})
         finally:
             _synchronize(device)
-    return {"launch_s": launch_s, "hook_s": hook_seconds(), "results": results}
+    hook = hook_seconds()
+    figures = {"launch_s": launch["seconds"], "hook_s": hook["seconds"], "launch": launch, "hook": hook}
+    return figures | {"results": results, "left_out": left_out}
 
 
 CASES = {
@@ -229,6 +291,11 @@ CASES = {
     "elementwise": _elementwise,
     "reduction": _reduction,
 }
+CASE_COUNTS = {
+    "matmul": len(MATMULS), "attention": len(ATTENTIONS), "conv": len(CONVS),
+    "elementwise": len(VECTOR_EXPONENTS), "reduction": len(VECTOR_EXPONENTS), "adamw": len(ADAMW_MILLIONS),
+}  # fmt: skip
+"""Each section's cases: those not timed within its share are listed as left out."""
 
 
 def hardware(device: torch.device) -> dict:
@@ -263,6 +330,7 @@ def write_profile(path: Path, device: str, budget_s: float, command: str) -> Pat
         "versions": {"python": platform.python_version(), "torch": str(torch.__version__)},
         "command": command,
         "budget_s": budget_s,
+        "timing": f"each point the fastest of {REPEATS} repeats of `calls` calls; its spread over them",
         "seconds": time.perf_counter() - started,
         **figures,
     }
