@@ -15,11 +15,13 @@ the next case would not fit what is left of its share):
   without no-op forward hooks, the difference per hook (the floor of an engine's hooks: DeepSpeed's and
   FSDP2's do more in theirs).
 
-Each point is timed as REPEATS short repeats of the same number of calls, and keeps the fastest repeat
-(torch.utils.benchmark's practice on a noisy host: the other work of the machine only adds time) beside
-the repeats' spread (IQR over median, and max over min, as torch.utils.benchmark.Measurement computes
-them), so a reader sees which points are noisy. On the shared 2-core machine, one mean of at most 100
-calls per point moved up to 1,800x between two profiles two minutes apart.
+Each point is timed as REPEATS short repeats of the same number of calls, in two passes over the
+sections (the second while the budget lasts, so that its repeats come a minute after the first's), and
+keeps the fastest repeat (torch.utils.benchmark's practice on a noisy host: the other work of the
+machine only adds time) beside the repeats' spread (IQR over median, and max over min, as
+torch.utils.benchmark.Measurement computes them) and the two passes' ratio, so a reader sees which
+points are noisy. On the shared 2-core machine, one mean of at most 100 calls per point moved up to
+1,800x between two profiles two minutes apart, and five back-to-back repeats up to 1,348x.
 
 A GPU repeat's device time is read between CUDA events, its calls queued behind a short sleep kernel so
 that the host's launches do not show in it; on the CPU, perf_counter with the garbage collector off.
@@ -64,6 +66,8 @@ REPEATS = 5
 """Repeats per point: the fastest is kept, their spread recorded."""
 MAX_CALLS = {"cuda": 100, "cpu": 10_000}
 """Calls in one repeat at most; on a GPU, no more than its sleep kernel hides the launches of."""
+HOOKS = 20
+"""No-op forward hooks on the hooked module of hook_pairs."""
 ADAM_BYTES = 28
 """An fp32 AdamW step per parameter: reads the parameter, its gradient and two moments, writes three."""
 
@@ -96,25 +100,34 @@ def _timed(fn: Callable[[], object], calls: int, device: torch.device) -> float:
     return start.elapsed_time(end) / 1e3 / calls
 
 
-def repeats_summary(times: list[float], calls: int, what: str = "") -> dict:
-    """The fastest repeat's seconds per call, and the repeats' spread: {"seconds", "median_s",
-    "iqr_over_median", "max_over_min", "repeats", "calls"} (`calls`: per repeat)."""
-    measured = Measurement(calls, [t * calls for t in times], TaskSpec(stmt=what or "fn()", setup=""))
-    return {
+def repeats_summary(passes: list[tuple[list[float], int]], what: str = "") -> dict:
+    """The fastest repeat's seconds per call over every pass (each: its repeats' seconds per call, and the
+    calls in each), and the repeats' spread: {"seconds", "median_s", "iqr_over_median", "max_over_min",
+    "repeats", "calls" (a pass's calls per repeat, by pass), "pass_ratio" (two passes: the second's
+    fastest over the first's)}."""
+    times = [t for pass_times, _ in passes for t in pass_times]
+    task = TaskSpec(stmt=what or "fn()", setup="")
+    measured = Measurement.merge(
+        Measurement(calls, [t * calls for t in pass_times], task) for pass_times, calls in passes
+    )[0]
+    summary = {
         "seconds": min(times),
         "median_s": measured.median,
         "iqr_over_median": measured.iqr / measured.median,
         "max_over_min": max(times) / min(times),
         "repeats": len(times),
-        "calls": calls,
+        "calls": [calls for _, calls in passes],
     }
+    if len(passes) == 2:
+        summary["pass_ratio"] = min(passes[1][0]) / min(passes[0][0])
+    return summary
 
 
-def seconds_per_call(fn: Callable[[], object], device: torch.device, target_s: float) -> dict:
-    """One call's seconds, as repeats_summary gives them: after a warm-up call (kernel choice, caches),
-    REPEATS repeats of as many calls as fill `target_s` / REPEATS (at most MAX_CALLS). A repeat under a
-    quarter of that (the calls were counted from a disturbed, slow call) restarts the repeats with more
-    calls; calls only grow, so the loop ends."""
+def repeat_times(fn: Callable[[], object], device: torch.device, target_s: float) -> tuple[list[float], int]:
+    """One call's seconds in each of REPEATS repeats, and the calls in each: after a warm-up call (kernel
+    choice, caches), as many calls a repeat as fill `target_s` / REPEATS (at most MAX_CALLS). A repeat
+    under a quarter of that (the calls were counted from a disturbed, slow call) restarts the repeats
+    with more calls; calls only grow, so the loop ends."""
     fn()
     _synchronize(device)
     repeat_s, most = target_s / REPEATS, MAX_CALLS["cuda" if device.type == "cuda" else "cpu"]
@@ -125,12 +138,17 @@ def seconds_per_call(fn: Callable[[], object], device: torch.device, target_s: f
             calls, times = min(most, max(2 * calls, int(repeat_s / max(seconds, 1e-9)))), []
             continue
         times.append(seconds)
-    return repeats_summary(times, calls)
+    return times, calls
 
 
-def launch_seconds(device: torch.device, launches: int = 500) -> dict:
-    """The host's seconds per tiny in-place add, not waiting for the device (a GPU's queue holds them), as
-    repeats_summary gives them: REPEATS repeats of `launches`, the device drained between them."""
+def seconds_per_call(fn: Callable[[], object], device: torch.device, target_s: float) -> dict:
+    """One pass of repeat_times, as repeats_summary gives it."""
+    return repeats_summary([repeat_times(fn, device, target_s)])
+
+
+def launch_times(device: torch.device, launches: int = 500) -> tuple[list[float], int]:
+    """The host's seconds per tiny in-place add, not waiting for the device (a GPU's queue holds them), in
+    each of REPEATS repeats of `launches`, the device drained between them."""
     x = torch.zeros(1, device=device)
     for _ in range(20):
         x.add_(1)
@@ -142,21 +160,26 @@ def launch_seconds(device: torch.device, launches: int = 500) -> dict:
             x.add_(1)
         times.append((time.perf_counter() - started) / launches)
     _synchronize(device)
-    return repeats_summary(times, launches, "x.add_(1)")
+    return times, launches
 
 
-def hook_seconds(hooks: int = 20, calls: int = 300) -> dict:
-    """The host's seconds per call of a no-op forward hook: a hooked nn.Identity's calls less a bare one's,
-    per hook, as repeats_summary gives them. REPEATS alternate pairs of the two; the figure is the fastest
-    hooked repeat less the fastest bare one (the host's other work only adds), the spread the pairs'."""
+def hook_pairs(calls: int = 300) -> list[tuple[float, float]]:
+    """REPEATS alternate pairs of a call's seconds: an nn.Identity with HOOKS no-op forward hooks, and a
+    bare one."""
     bare, hooked, x = torch.nn.Identity(), torch.nn.Identity(), torch.zeros(1)
-    for _ in range(hooks):
+    for _ in range(HOOKS):
         hooked.register_forward_hook(lambda module, args, out: None)
-    pairs = [(_timed(lambda: hooked(x), calls, x.device), _timed(lambda: bare(x), calls, x.device))
-             for _ in range(REPEATS)]  # fmt: skip
-    summary = repeats_summary([max(h - b, 1e-9) / hooks for h, b in pairs], calls, "hooked(x) - bare(x)")
-    fastest = min(h for h, _ in pairs) - min(b for _, b in pairs)
-    return summary | {"seconds": max(fastest, 1e-9) / hooks}
+    return [(_timed(lambda: hooked(x), calls, x.device), _timed(lambda: bare(x), calls, x.device))
+            for _ in range(REPEATS)]  # fmt: skip
+
+
+def hook_summary(passes: list[list[tuple[float, float]]], calls: int = 300) -> dict:
+    """The host's seconds per call of a no-op forward hook: the fastest hooked repeat less the fastest bare
+    one (the host's other work only adds), per hook; the spread is that of the pairs' differences."""
+    per_hook = [[max(h - b, 1e-9) / HOOKS for h, b in pairs] for pairs in passes]
+    summary = repeats_summary([(times, calls) for times in per_hook], "hooked(x) - bare(x)")
+    fastest = min(h for pairs in passes for h, _ in pairs) - min(b for pairs in passes for _, b in pairs)
+    return summary | {"seconds": max(fastest, 1e-9) / HOOKS}
 
 
 MATMULS = sorted(
@@ -246,32 +269,39 @@ def _adamw(device, kind: str) -> Iterator:
 
 def measure(device: torch.device, budget_s: float) -> dict:
     """The profile's figures: {"launch_s", "hook_s", "launch", "hook", "results": [{"kind", "dtype", "shape",
-    "flops", "bytes", "seconds", "median_s", "iqr_over_median", "max_over_min", "repeats", "calls", ...}],
-    "left_out": [{"kind", "dtype", "cases", "after"}]} (the larger cases of a section not timed within its
-    share, after the shape that was), each section within its share of `budget_s`;
-    "seconds" is the fastest repeat's."""
+    "flops", "bytes", "seconds", "median_s", "iqr_over_median", "max_over_min", "repeats", "calls",
+    "pass_ratio", ...}], "left_out": [{"kind", "dtype", "cases", "after"}]}; "seconds" is the fastest
+    repeat's.
+
+    Two passes. The first times each section's cases, small to large, within its share of `budget_s`
+    (the larger cases not reached are left out, after the shape that was). The second times the same
+    cases again, in the same order, while what is left of `budget_s` holds each case's first cost; a
+    point keeps the fastest repeat of both. Its repeats are then a minute apart, not milliseconds: on a
+    shared host a stall can last a whole section (2-thread CPU kernels at about 8 ms a call, whatever
+    their size), and one pass cannot see past it."""
+    deadline = time.perf_counter() + budget_s
     dtypes = ["bf16", "fp16", "fp32"] if device.type == "cuda" else ["fp32", "bf16"]
-    launch = launch_seconds(device)
+    launch, hooks = [launch_times(device)], [hook_pairs()]
     sections = [
         (kind, dtype, lambda k=kind, d=dtype: CASES[k](device, DTYPES[d]))
         for kind in CASES
         for dtype in dtypes
     ]
     sections += [(f"adamw_{kind}", "fp32", lambda k=kind: _adamw(device, k)) for kind in ("foreach", "fused")]
-    results, left_out = [], []
+    results, left_out, again = [], [], []
     for kind, dtype, cases in sections:
         share = budget_s * SHARES[kind.split("_")[0]] / (len(dtypes) if kind in CASES else 2)
+        target_s = min(0.02, share / 20)
         started = case_started = time.perf_counter()
-        measured = 0
+        points = []  # [row, first pass, its cost]
         try:
             for row, fn in cases():
-                timing = seconds_per_call(fn, device, target_s=min(0.02, share / 20))
-                results.append({"kind": kind, "dtype": dtype, **row, **timing})
-                measured += 1
+                points.append([row, repeat_times(fn, device, target_s)])
                 now = time.perf_counter()
+                points[-1].append(now - case_started)
                 if now - started + GROWTH * (now - case_started) > share:
-                    if measured < CASE_COUNTS[kind.split("_")[0]]:  # the next, larger case would overrun
-                        left = CASE_COUNTS[kind.split("_")[0]] - measured
+                    if len(points) < CASE_COUNTS[kind.split("_")[0]]:  # the next, larger case would overrun
+                        left = CASE_COUNTS[kind.split("_")[0]] - len(points)
                         left_out.append({"kind": kind, "dtype": dtype, "cases": left, "after": row["shape"]})
                     break
                 case_started = now
@@ -279,9 +309,35 @@ def measure(device: torch.device, budget_s: float) -> dict:
             results.append({"kind": kind, "dtype": dtype, "error": str(error).splitlines()[0][:200]})
         finally:
             _synchronize(device)
-    hook = hook_seconds()
-    figures = {"launch_s": launch["seconds"], "hook_s": hook["seconds"], "launch": launch, "hook": hook}
-    return figures | {"results": results, "left_out": left_out}
+        again.append((kind, dtype, cases, target_s, points))
+    for kind, dtype, cases, target_s, points in again:
+        second = _second_pass(cases, points, device, target_s, deadline)
+        for (row, first, _), timing in zip(points, second):
+            passes = [first, timing] if timing else [first]
+            results.append({"kind": kind, "dtype": dtype, **row, **repeats_summary(passes)})
+    launch.append(launch_times(device))
+    hooks.append(hook_pairs())
+    launch_figure, hook_figure = repeats_summary(launch, "x.add_(1)"), hook_summary(hooks)
+    figures = {"launch_s": launch_figure["seconds"], "hook_s": hook_figure["seconds"]}
+    return figures | {"launch": launch_figure, "hook": hook_figure, "results": results, "left_out": left_out}
+
+
+def _second_pass(cases, points: list, device: torch.device, target_s: float, deadline: float) -> list:
+    """The first pass's points of a section timed again, small to large, each while its first cost fits
+    before `deadline`: repeat_times of each, None for those not reached."""
+    timed, made = [], cases()
+    try:
+        for _, _, cost in points:
+            if time.perf_counter() + cost > deadline:
+                break
+            _, fn = next(made)
+            timed.append(repeat_times(fn, device, target_s))
+    except (RuntimeError, torch.OutOfMemoryError):  # the first pass timed it: keep that
+        pass
+    finally:
+        made.close()  # its tensors go
+        _synchronize(device)
+    return timed + [None] * (len(points) - len(timed))
 
 
 CASES = {
@@ -330,7 +386,8 @@ def write_profile(path: Path, device: str, budget_s: float, command: str) -> Pat
         "versions": {"python": platform.python_version(), "torch": str(torch.__version__)},
         "command": command,
         "budget_s": budget_s,
-        "timing": f"each point the fastest of {REPEATS} repeats of `calls` calls; its spread over them",
+        "timing": f"each point: the fastest of {REPEATS} repeats in each of 2 passes (the second while the "
+        "budget lasts); calls: a repeat's, by pass; spread: over all its repeats",
         "seconds": time.perf_counter() - started,
         **figures,
     }
