@@ -2,11 +2,12 @@
 micro-benchmarks (ray_zero/train/profile_bench.py), never fitted to model runs. Pure: no torch.
 
 The file's `results` are rows of one timed call each: {"kind", "dtype", "shape", "flops", "bytes",
-"seconds"} (and "params" for an optimizer step). Files from 2026-12-06 on time each point as several
-repeats: "seconds" is the fastest repeat's, and the row adds "median_s", "iqr_over_median",
-"max_over_min", "repeats" and "calls" (per repeat); `launch` and `hook` hold the same for `launch_s`
-and `hook_s`, and `left_out` the cases the budget left out. Earlier files have one mean a point and
-read the same. A kind's rate is read at the size that sets it:
+"seconds"} (and "params" for an optimizer step). Files from 2026-12-06 19:00 UTC on time each point
+as 5 repeats in each of two passes: "seconds" is the fastest repeat's, and the row adds "median_s",
+"iqr_over_median", "max_over_min" (over all its repeats), "repeats", "calls" (a repeat's, by pass) and
+"pass_ratio" (the second pass's fastest over the first's); `launch` and `hook` hold the same for
+`launch_s` and `hook_s`, and `left_out` the cases the budget left out. Earlier files have one mean a
+point and read the same. A kind's rate is read at the size that sets it:
 - compute kinds (matmul, attention, conv): FLOP/s, by FLOPs per call;
 - memory kinds (elementwise, reduction): bytes/s, by bytes per call;
 - optimizer steps (adamw_foreach, adamw_fused): parameters/s, by parameters per step.
