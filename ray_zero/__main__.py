@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import shlex
 import sys
@@ -338,6 +339,10 @@ def _bandwidth(args) -> int:
 
 def _profile(args) -> int:
     written = api.profile(**_options(args, "output", "device", "budget_s"), command=_command())
+    from ray_zero.measure.gpu_profile import profile_notes
+
+    for note in profile_notes(json.loads(Path(written).read_text())):
+        print(f"ray_zero: {note}")
     print(f"ray_zero: written to {written} (for estimate --profile {written})")
     return 0
 

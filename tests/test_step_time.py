@@ -7,14 +7,21 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 import ray_zero
 from ray_zero.__main__ import main
 from ray_zero.config import ConfigError
-from ray_zero.measure.gpu_profile import FILE_KIND, profile_from, read_profile
+from ray_zero.measure.gpu_profile import FILE_KIND, profile_from, profile_notes, read_profile
 from ray_zero.measure.step_time import OpCost, op_seconds, predict_step
+from ray_zero.train import profile_bench
+from ray_zero.train.profile_bench import REPEATS, repeats_summary, seconds_per_call
+
+OLD_PROFILE = Path(__file__).parent.parent / "bench/results/speed-accuracy-cpu-2core/cpu_profile_a.json"
+"""A profile of one mean a point (2026-12-06, before repeats): it must still load."""
 
 TINY_GPT2 = ["model_config.n_layer=2", "model_config.n_embd=64", "model_config.n_head=4", "seq_len=128"]
 
@@ -96,11 +103,71 @@ def test_the_profile_command_measures_every_kernel_class_on_the_cpu_within_its_b
     kinds = {r["kind"] for r in rows}
     assert kinds >= {"matmul", "attention", "conv", "elementwise", "reduction", "adamw_foreach"}
     assert all(r["seconds"] > 0 for r in rows)
+    # every point, the launch and the hook figure: the fastest of REPEATS repeats, and their spread
+    for figure in [*rows, content["launch"], content["hook"]]:  # a second pass while the budget lasts
+        assert figure["repeats"] == REPEATS * len(figure["calls"]) and min(figure["calls"]) >= 1
+        assert figure["iqr_over_median"] >= 0 and figure["max_over_min"] >= 1
+    assert content["launch"]["repeats"] == content["hook"]["repeats"] == 2 * REPEATS
+    assert all(r["seconds"] <= r["median_s"] for r in rows)
+    assert all(content[f"{name}_s"] == content[name]["seconds"] for name in ("launch", "hook"))
+    # 5 s leave the larger cases out, and the file says which
+    assert content["left_out"] and all(x["cases"] >= 1 and x["after"] for x in content["left_out"])
     profile = read_profile(output)
     assert profile.hook_s == content["hook_s"] and profile.hardware == content["hardware"]["name"]
     assert 1e8 < profile.rate("matmul", "fp32", 1e9) < 1e13  # a 2-core CPU: GFLOP/s, not TFLOP/s
     assert 1e8 < profile.rate("elementwise", "fp32", 1e6) < 1e12
-    assert f"written to {output}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"written to {output}" in printed and "left out for the budget: matmul fp32" in printed
+    assert f"of {len(rows)} points spread over" in printed
+
+
+def test_a_point_keeps_its_fastest_repeat_and_the_repeats_spread():
+    summary = repeats_summary([([3.0, 1.0, 2.0, 10.0, 2.0], 4)])
+    assert summary == {"seconds": 1.0, "median_s": 2.0, "iqr_over_median": 0.5, "max_over_min": 10.0} | {
+        "repeats": 5, "calls": [4]
+    }  # fmt: skip
+    two = repeats_summary([([4.0] * 5, 1), ([1.0, 1.0, 1.0, 1.0, 1.0], 8)])  # a stall over the whole first
+    assert two["seconds"] == 1.0 and two["pass_ratio"] == 0.25 and two["max_over_min"] == 4.0
+    assert two["repeats"] == 10 and two["calls"] == [1, 8]
+    calls = []
+
+    def sleeps():  # 2 ms a call; the warm-up is call 0, the repeats (one call each) 1-5: call 3 disturbed
+        calls.append(None)
+        time.sleep(0.02 if len(calls) == 4 else 0.002)
+
+    timed = seconds_per_call(sleeps, torch.device("cpu"), target_s=REPEATS * 0.002)
+    assert len(calls) == 1 + REPEATS and timed["calls"] == [1]
+    assert 0.002 <= timed["seconds"] < 0.006 and timed["max_over_min"] > 3  # a mean would read 5.6 ms
+    assert timed["seconds"] <= timed["median_s"] < 0.01
+
+
+def test_the_profile_times_every_point_again_in_a_second_pass_while_the_budget_lasts(monkeypatch):
+    # the real two passes, over fewer cases: 16 K and 64 K elements, 1 M parameters
+    monkeypatch.setattr(profile_bench, "CASES", {"elementwise": profile_bench.CASES["elementwise"]})
+    monkeypatch.setattr(profile_bench, "VECTOR_EXPONENTS", range(14, 17, 2))
+    monkeypatch.setattr(profile_bench, "ADAMW_MILLIONS", (1,))
+    started = time.perf_counter()
+    figures = profile_bench.measure(torch.device("cpu"), budget_s=20)
+    assert time.perf_counter() - started < 5
+    rows = figures["results"]
+    assert [(r["kind"], r["dtype"], r["shape"]) for r in rows] == [
+        ("elementwise", "fp32", [2**14]), ("elementwise", "fp32", [2**16]),
+        ("elementwise", "bf16", [2**14]), ("elementwise", "bf16", [2**16]),
+        ("adamw_foreach", "fp32", [1, 2**20]), ("adamw_fused", "fp32", [1, 2**20]),
+    ]  # fmt: skip
+    for row in rows:
+        assert row["repeats"] == 2 * REPEATS and len(row["calls"]) == 2 and row["pass_ratio"] > 0
+        assert row["seconds"] <= row["median_s"] and row["max_over_min"] >= 1
+    assert figures["left_out"] == []
+
+
+def test_a_profile_of_one_mean_a_point_still_loads():
+    content = json.loads(OLD_PROFILE.read_text())
+    assert "iqr_over_median" not in content["results"][0] and "launch" not in content
+    profile = read_profile(OLD_PROFILE)
+    assert profile.launch_s == content["launch_s"] and profile.hook_s == content["hook_s"]
+    assert 1e8 < profile.rate("matmul", "fp32", 1e9) < 1e13
+    assert profile_notes(content) == []  # nothing to say of spreads it never kept
 
 
 def _profile_file(tmp_path, launch_s: float, **more):

@@ -2,7 +2,12 @@
 micro-benchmarks (ray_zero/train/profile_bench.py), never fitted to model runs. Pure: no torch.
 
 The file's `results` are rows of one timed call each: {"kind", "dtype", "shape", "flops", "bytes",
-"seconds"} (and "params" for an optimizer step). A kind's rate is read at the size that sets it:
+"seconds"} (and "params" for an optimizer step). Files from 2026-12-06 19:00 UTC on time each point
+as 5 repeats in each of two passes: "seconds" is the fastest repeat's, and the row adds "median_s",
+"iqr_over_median", "max_over_min" (over all its repeats), "repeats", "calls" (a repeat's, by pass) and
+"pass_ratio" (the second pass's fastest over the first's); `launch` and `hook` hold the same for
+`launch_s` and `hook_s`, and `left_out` the cases the budget left out. Earlier files have one mean a
+point and read the same. A kind's rate is read at the size that sets it:
 - compute kinds (matmul, attention, conv): FLOP/s, by FLOPs per call;
 - memory kinds (elementwise, reduction): bytes/s, by bytes per call;
 - optimizer steps (adamw_foreach, adamw_fused): parameters/s, by parameters per step.
@@ -92,3 +97,36 @@ def read_profile(path: Path, label: Optional[str] = None) -> Profile:
     """A `python -m ray_zero profile` file."""
     content = read_command_file(path, "profile", FILE_KIND)
     return profile_from(content, label or str(path))
+
+
+NOISY = 0.10
+"""A point whose repeats' IQR over median is above this is reported as noisy."""
+
+
+def profile_notes(content: dict) -> list[str]:
+    """What a reader of a profile file should know beside its rates: how many points' repeats spread over
+    NOISY (and the widest), the host figures' spread, and the cases left out for the budget. Nothing for
+    a file of one mean a point."""
+    timed = [r for r in content.get("results", []) if "iqr_over_median" in r]
+    notes = []
+    if timed:
+        noisy = [r for r in timed if r["iqr_over_median"] > NOISY]
+        widest = max(timed, key=lambda r: r["max_over_min"])
+        notes.append(
+            f"{len(noisy)} of {len(timed)} points spread over {NOISY:.0%} (IQR/median of "
+            f"{widest['repeats']} repeats, the fastest kept); widest: {widest['kind']} {widest['dtype']} "
+            f"{widest['shape']}, max/min {widest['max_over_min']:.2f}"
+        )
+    for name in ("launch", "hook"):
+        if isinstance(content.get(name), dict):
+            figure = content[name]
+            notes.append(
+                f"{name}: {figure['seconds'] * 1e6:.3f} us, IQR/median {figure['iqr_over_median']:.0%}, "
+                f"max/min {figure['max_over_min']:.2f}"
+            )
+    left = [
+        f"{x['kind']} {x['dtype']} ({x['cases']} after {x['after']})" for x in content.get("left_out", [])
+    ]
+    if left:
+        notes.append("left out for the budget: " + "; ".join(left))
+    return notes

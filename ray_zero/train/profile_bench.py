@@ -15,14 +15,26 @@ the next case would not fit what is left of its share):
   without no-op forward hooks, the difference per hook (the floor of an engine's hooks: DeepSpeed's and
   FSDP2's do more in theirs).
 
-A GPU call's device time is read between CUDA events, with the calls queued behind a short sleep kernel
-so that the host's launches do not show in it; on the CPU, perf_counter. (torch.utils.benchmark.Timer
-times with the host's clock and a synchronize: it would read small kernels at their launch cost.)
+Each point is timed as REPEATS short repeats of the same number of calls, in two passes over the
+sections (the second while the budget lasts, so that its repeats come a minute after the first's), and
+keeps the fastest repeat (torch.utils.benchmark's practice on a noisy host: the other work of the
+machine only adds time) beside the repeats' spread (IQR over median, and max over min, as
+torch.utils.benchmark.Measurement computes them) and the two passes' ratio, so a reader sees which
+points are noisy. On the shared 2-core machine, one mean of at most 100 calls per point moved up to
+1,800x between two profiles two minutes apart, and five back-to-back repeats up to 1,348x.
+
+A GPU repeat's device time is read between CUDA events, its calls queued behind a short sleep kernel so
+that the host's launches do not show in it; on the CPU, perf_counter with the garbage collector off.
+torch.utils.benchmark.Timer does not fit the timing itself: it reads a GPU with the host's clock and a
+synchronize (small kernels at their launch cost), its timeit() adds two warm-up calls to every repeat (3x
+a large case's time), and adaptive_autorange() sizes blocks at 10^4 x its timer's overhead with no
+floor on their count under max_run_time.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import json
 import platform
 import time
@@ -31,6 +43,8 @@ from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.utils.benchmark import Measurement
+from torch.utils.benchmark.utils.common import TaskSpec
 from torch.utils.flop_counter import conv_flop_count, sdpa_flop_count
 
 from ray_zero.measure.gpu_profile import FILE_KIND
@@ -48,6 +62,12 @@ SLEEP_CYCLES = 2_000_000
 GROWTH = 4
 """About how much longer each case of a section takes than the one before it (its tensors made, its
 calls timed)."""
+REPEATS = 5
+"""Repeats per point: the fastest is kept, their spread recorded."""
+MAX_CALLS = {"cuda": 100, "cpu": 10_000}
+"""Calls in one repeat at most; on a GPU, no more than its sleep kernel hides the launches of."""
+HOOKS = 20
+"""No-op forward hooks on the hooked module of hook_pairs."""
 ADAM_BYTES = 28
 """An fp32 AdamW step per parameter: reads the parameter, its gradient and two moments, writes three."""
 
@@ -60,10 +80,16 @@ def _synchronize(device: torch.device) -> None:
 def _timed(fn: Callable[[], object], calls: int, device: torch.device) -> float:
     """Seconds per call of `calls` calls back to back, as the device runs them."""
     if device.type != "cuda":
-        started = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        return (time.perf_counter() - started) / calls
+        collecting = gc.isenabled()
+        gc.disable()  # as timeit does: a collection is the host's, not the kernel's
+        try:
+            started = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            return (time.perf_counter() - started) / calls
+        finally:
+            if collecting:
+                gc.enable()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda._sleep(SLEEP_CYCLES)  # the device waits while the host queues the calls
     start.record()
@@ -74,63 +100,120 @@ def _timed(fn: Callable[[], object], calls: int, device: torch.device) -> float:
     return start.elapsed_time(end) / 1e3 / calls
 
 
-def seconds_per_call(fn: Callable[[], object], device: torch.device, target_s: float) -> float:
-    """One call's seconds: after a warm-up call (kernel choice, caches), as many calls as fill `target_s`
-    (at most 100, queued behind one sleep)."""
+def repeats_summary(passes: list[tuple[list[float], int]], what: str = "") -> dict:
+    """The fastest repeat's seconds per call over every pass (each: its repeats' seconds per call, and the
+    calls in each), and the repeats' spread: {"seconds", "median_s", "iqr_over_median", "max_over_min",
+    "repeats", "calls" (a pass's calls per repeat, by pass), "pass_ratio" (two passes: the second's
+    fastest over the first's)}."""
+    times = [t for pass_times, _ in passes for t in pass_times]
+    task = TaskSpec(stmt=what or "fn()", setup="")
+    measured = Measurement.merge(
+        Measurement(calls, [t * calls for t in pass_times], task) for pass_times, calls in passes
+    )[0]
+    summary = {
+        "seconds": min(times),
+        "median_s": measured.median,
+        "iqr_over_median": measured.iqr / measured.median,
+        "max_over_min": max(times) / min(times),
+        "repeats": len(times),
+        "calls": [calls for _, calls in passes],
+    }
+    if len(passes) == 2:
+        summary["pass_ratio"] = min(passes[1][0]) / min(passes[0][0])
+    return summary
+
+
+def repeat_times(fn: Callable[[], object], device: torch.device, target_s: float) -> tuple[list[float], int]:
+    """One call's seconds in each of REPEATS repeats, and the calls in each: after a warm-up call (kernel
+    choice, caches), as many calls a repeat as fill `target_s` / REPEATS (at most MAX_CALLS). A repeat
+    under a quarter of that (the calls were counted from a disturbed, slow call) restarts the repeats
+    with more calls; calls only grow, so the loop ends."""
     fn()
     _synchronize(device)
-    calls, seconds = 1, _timed(fn, 1, device)
-    while seconds * calls < target_s and calls < 100:
-        calls = min(100, max(2 * calls, int(target_s / max(seconds, 1e-7))))
+    repeat_s, most = target_s / REPEATS, MAX_CALLS["cuda" if device.type == "cuda" else "cpu"]
+    calls, times = 1, []
+    while len(times) < REPEATS:
         seconds = _timed(fn, calls, device)
-    return seconds
+        if calls < most and seconds * calls < repeat_s / 4:
+            calls, times = min(most, max(2 * calls, int(repeat_s / max(seconds, 1e-9)))), []
+            continue
+        times.append(seconds)
+    return times, calls
 
 
-def launch_seconds(device: torch.device, launches: int = 500) -> float:
-    """The host's seconds per tiny in-place add, not waiting for the device (a GPU's queue holds them)."""
+def seconds_per_call(fn: Callable[[], object], device: torch.device, target_s: float) -> dict:
+    """One pass of repeat_times, as repeats_summary gives it."""
+    return repeats_summary([repeat_times(fn, device, target_s)])
+
+
+def launch_times(device: torch.device, launches: int = 500) -> tuple[list[float], int]:
+    """The host's seconds per tiny in-place add, not waiting for the device (a GPU's queue holds them), in
+    each of REPEATS repeats of `launches`, the device drained between them."""
     x = torch.zeros(1, device=device)
     for _ in range(20):
         x.add_(1)
+    times = []
+    for _ in range(REPEATS):
+        _synchronize(device)
+        started = time.perf_counter()
+        for _ in range(launches):
+            x.add_(1)
+        times.append((time.perf_counter() - started) / launches)
     _synchronize(device)
-    started = time.perf_counter()
-    for _ in range(launches):
-        x.add_(1)
-    seconds = (time.perf_counter() - started) / launches
-    _synchronize(device)
-    return seconds
+    return times, launches
 
 
-def hook_seconds(hooks: int = 20, calls: int = 300) -> float:
-    """The host's seconds per call of a no-op forward hook: a hooked nn.Identity's calls less a bare one's,
-    per hook (the fewest of three tries each: the host's other work only adds)."""
+def hook_pairs(calls: int = 300) -> list[tuple[float, float]]:
+    """REPEATS alternate pairs of a call's seconds: an nn.Identity with HOOKS no-op forward hooks, and a
+    bare one."""
     bare, hooked, x = torch.nn.Identity(), torch.nn.Identity(), torch.zeros(1)
-    for _ in range(hooks):
+    for _ in range(HOOKS):
         hooked.register_forward_hook(lambda module, args, out: None)
+    return [(_timed(lambda: hooked(x), calls, x.device), _timed(lambda: bare(x), calls, x.device))
+            for _ in range(REPEATS)]  # fmt: skip
 
-    def fewest(module) -> float:
-        times = []
-        for _ in range(3):
-            started = time.perf_counter()
-            for _ in range(calls):
-                module(x)
-            times.append((time.perf_counter() - started) / calls)
-        return min(times)
 
-    return max(fewest(hooked) - fewest(bare), 1e-9) / hooks
+def hook_summary(passes: list[list[tuple[float, float]]], calls: int = 300) -> dict:
+    """The host's seconds per call of a no-op forward hook: the fastest hooked repeat less the fastest bare
+    one (the host's other work only adds), per hook; the spread is that of the pairs' differences."""
+    per_hook = [[max(h - b, 1e-9) / HOOKS for h, b in pairs] for pairs in passes]
+    summary = repeats_summary([(times, calls) for times in per_hook], "hooked(x) - bare(x)")
+    fastest = min(h for pairs in passes for h, _ in pairs) - min(b for pairs in passes for _, b in pairs)
+    return summary | {"seconds": max(fastest, 1e-9) / HOOKS}
+
+
+MATMULS = sorted(
+    [(n, n, n) for n in (256, 512, 1024, 2048, 4096, 8192)]
+    + [(t, n, k) for t in (2048, 8192, 32768) for n, k in ((768, 768), (3072, 768), (768, 3072))],
+    key=lambda s: s[0] * s[1] * s[2],
+)
+"""(M, N, K) of the matmul cases, by FLOPs."""
+ATTENTIONS = sorted((seq, head) for seq in (256, 512, 1024, 2048, 4096, 8192) for head in (64, 128))
+"""(sequence, head size) of the attention cases."""
+CONVS = [
+    (32, 3, 224, 64, 7, 2),
+    (32, 64, 56, 64, 3, 1),
+    (32, 256, 56, 64, 1, 1),
+    (32, 128, 28, 128, 3, 1),
+    (32, 256, 14, 256, 3, 1),
+    (32, 512, 7, 512, 3, 1),
+]
+"""(batch, in channels, size, out channels, kernel, stride): ResNet-50's stem and stages."""
+VECTOR_EXPONENTS = range(14, 29, 2)
+"""log2 of the elementwise and reduction cases' elements: 16 K to 256 M."""
+ADAMW_MILLIONS = (1, 4, 16, 64, 256)
+"""Millions of parameters (2^20) of the optimizer step cases."""
 
 
 def _matmul(device, dtype) -> Iterator:
-    shapes = [(n, n, n) for n in (256, 512, 1024, 2048, 4096, 8192)]
-    shapes += [(t, n, k) for t in (2048, 8192, 32768) for n, k in ((768, 768), (3072, 768), (768, 3072))]
-    for m, n, k in sorted(shapes, key=lambda s: s[0] * s[1] * s[2]):
+    for m, n, k in MATMULS:
         a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
         moved = (m * k + k * n + m * n) * a.element_size()
         yield {"shape": [m, n, k], "flops": 2 * m * n * k, "bytes": moved}, lambda a=a, b=b: torch.mm(a, b)
 
 
 def _attention(device, dtype) -> Iterator:
-    cases = [(seq, head) for seq in (256, 512, 1024, 2048, 4096, 8192) for head in (64, 128)]
-    for seq, head in sorted(cases):
+    for seq, head in ATTENTIONS:
         batch, heads = max(1, 8192 // seq), 2048 // head  # 8192 tokens of width 2048 a call
         q, k, v = (torch.randn(batch, heads, seq, head, device=device, dtype=dtype) for _ in range(3))
         row = {
@@ -143,15 +226,7 @@ def _attention(device, dtype) -> Iterator:
 
 
 def _conv(device, dtype) -> Iterator:
-    # (batch, in channels, size, out channels, kernel, stride): ResNet-50's stem and stages
-    layers = [
-        (32, 3, 224, 64, 7, 2),
-        (32, 64, 56, 64, 3, 1),
-        (32, 256, 56, 64, 1, 1),
-        (32, 128, 28, 128, 3, 1),
-    ]
-    layers += [(32, 256, 14, 256, 3, 1), (32, 512, 7, 512, 3, 1)]
-    for batch, cin, size, cout, kernel, stride in layers:
+    for batch, cin, size, cout, kernel, stride in CONVS:
         x = torch.randn(batch, cin, size, size, device=device, dtype=dtype)
         w = torch.randn(cout, cin, kernel, kernel, device=device, dtype=dtype)
         out = F.conv2d(x, w, stride=stride, padding=kernel // 2)
@@ -164,7 +239,7 @@ def _conv(device, dtype) -> Iterator:
 
 
 def _elementwise(device, dtype) -> Iterator:
-    for exponent in range(14, 29, 2):  # 16 K to 256 M elements
+    for exponent in VECTOR_EXPONENTS:
         a = torch.randn(2**exponent, device=device, dtype=dtype)
         b = torch.empty_like(a)
         yield (
@@ -174,13 +249,13 @@ def _elementwise(device, dtype) -> Iterator:
 
 
 def _reduction(device, dtype) -> Iterator:
-    for exponent in range(14, 29, 2):
+    for exponent in VECTOR_EXPONENTS:
         a = torch.randn(2**exponent, device=device, dtype=dtype)
         yield {"shape": [a.numel()], "bytes": a.numel() * a.element_size()}, lambda a=a: a.sum()
 
 
 def _adamw(device, kind: str) -> Iterator:
-    for millions in (1, 4, 16, 64, 256):
+    for millions in ADAMW_MILLIONS:
         params = [torch.zeros(min(4, millions) * 2**20, device=device) for _ in range(max(1, millions // 4))]
         for p in params:
             p.grad = torch.randn_like(p)
@@ -193,33 +268,76 @@ def _adamw(device, kind: str) -> Iterator:
 
 
 def measure(device: torch.device, budget_s: float) -> dict:
-    """The profile's figures: {"launch_s", "hook_s", "results": [{"kind", "dtype", "shape", "flops", "bytes",
-    "seconds", ...}]}, each section within its share of `budget_s`."""
+    """The profile's figures: {"launch_s", "hook_s", "launch", "hook", "results": [{"kind", "dtype", "shape",
+    "flops", "bytes", "seconds", "median_s", "iqr_over_median", "max_over_min", "repeats", "calls",
+    "pass_ratio", ...}], "left_out": [{"kind", "dtype", "cases", "after"}]}; "seconds" is the fastest
+    repeat's.
+
+    Two passes. The first times each section's cases, small to large, within its share of `budget_s`
+    (the larger cases not reached are left out, after the shape that was). The second times the same
+    cases again, in the same order, while what is left of `budget_s` holds each case's first cost; a
+    point keeps the fastest repeat of both. Its repeats are then a minute apart, not milliseconds: on a
+    shared host a stall can last a whole section (2-thread CPU kernels at about 8 ms a call, whatever
+    their size), and one pass cannot see past it."""
+    deadline = time.perf_counter() + budget_s
     dtypes = ["bf16", "fp16", "fp32"] if device.type == "cuda" else ["fp32", "bf16"]
-    launch_s = launch_seconds(device)
+    launch, hooks = [launch_times(device)], [hook_pairs()]
     sections = [
         (kind, dtype, lambda k=kind, d=dtype: CASES[k](device, DTYPES[d]))
         for kind in CASES
         for dtype in dtypes
     ]
     sections += [(f"adamw_{kind}", "fp32", lambda k=kind: _adamw(device, k)) for kind in ("foreach", "fused")]
-    results = []
+    results, left_out, again = [], [], []
     for kind, dtype, cases in sections:
         share = budget_s * SHARES[kind.split("_")[0]] / (len(dtypes) if kind in CASES else 2)
+        target_s = min(0.02, share / 20)
         started = case_started = time.perf_counter()
+        points = []  # [row, first pass, its cost]
         try:
             for row, fn in cases():
-                seconds = seconds_per_call(fn, device, target_s=min(0.02, share / 20))
-                results.append({"kind": kind, "dtype": dtype, **row, "seconds": seconds})
+                points.append([row, repeat_times(fn, device, target_s)])
                 now = time.perf_counter()
+                points[-1].append(now - case_started)
                 if now - started + GROWTH * (now - case_started) > share:
-                    break  # the next, larger case would overrun the section's share
+                    if len(points) < CASE_COUNTS[kind.split("_")[0]]:  # the next, larger case would overrun
+                        left = CASE_COUNTS[kind.split("_")[0]] - len(points)
+                        left_out.append({"kind": kind, "dtype": dtype, "cases": left, "after": row["shape"]})
+                    break
                 case_started = now
         except (RuntimeError, torch.OutOfMemoryError) as error:  # a dtype or size this device refuses
             results.append({"kind": kind, "dtype": dtype, "error": str(error).splitlines()[0][:200]})
         finally:
             _synchronize(device)
-    return {"launch_s": launch_s, "hook_s": hook_seconds(), "results": results}
+        again.append((kind, dtype, cases, target_s, points))
+    for kind, dtype, cases, target_s, points in again:
+        second = _second_pass(cases, points, device, target_s, deadline)
+        for (row, first, _), timing in zip(points, second):
+            passes = [first, timing] if timing else [first]
+            results.append({"kind": kind, "dtype": dtype, **row, **repeats_summary(passes)})
+    launch.append(launch_times(device))
+    hooks.append(hook_pairs())
+    launch_figure, hook_figure = repeats_summary(launch, "x.add_(1)"), hook_summary(hooks)
+    figures = {"launch_s": launch_figure["seconds"], "hook_s": hook_figure["seconds"]}
+    return figures | {"launch": launch_figure, "hook": hook_figure, "results": results, "left_out": left_out}
+
+
+def _second_pass(cases, points: list, device: torch.device, target_s: float, deadline: float) -> list:
+    """The first pass's points of a section timed again, small to large, each while its first cost fits
+    before `deadline`: repeat_times of each, None for those not reached."""
+    timed, made = [], cases()
+    try:
+        for _, _, cost in points:
+            if time.perf_counter() + cost > deadline:
+                break
+            _, fn = next(made)
+            timed.append(repeat_times(fn, device, target_s))
+    except (RuntimeError, torch.OutOfMemoryError):  # the first pass timed it: keep that
+        pass
+    finally:
+        made.close()  # its tensors go
+        _synchronize(device)
+    return timed + [None] * (len(points) - len(timed))
 
 
 CASES = {
@@ -229,6 +347,11 @@ CASES = {
     "elementwise": _elementwise,
     "reduction": _reduction,
 }
+CASE_COUNTS = {
+    "matmul": len(MATMULS), "attention": len(ATTENTIONS), "conv": len(CONVS),
+    "elementwise": len(VECTOR_EXPONENTS), "reduction": len(VECTOR_EXPONENTS), "adamw": len(ADAMW_MILLIONS),
+}  # fmt: skip
+"""Each section's cases: those not timed within its share are listed as left out."""
 
 
 def hardware(device: torch.device) -> dict:
@@ -263,6 +386,8 @@ def write_profile(path: Path, device: str, budget_s: float, command: str) -> Pat
         "versions": {"python": platform.python_version(), "torch": str(torch.__version__)},
         "command": command,
         "budget_s": budget_s,
+        "timing": f"each point: the fastest of {REPEATS} repeats in each of 2 passes (the second while the "
+        "budget lasts); calls: a repeat's, by pass; spread: over all its repeats",
         "seconds": time.perf_counter() - started,
         **figures,
     }
