@@ -28,7 +28,9 @@ TINY_GPT2 = ["model_config.n_layer=2", "model_config.n_embd=64", "model_config.n
 
 def _row(kind, dtype, size, seconds, **extra):
     """One timed call of `size` (FLOPs, bytes or parameters, by kind) in `seconds`."""
-    key = {"adamw_foreach": "params", "elementwise": "bytes", "reduction": "bytes"}.get(kind, "flops")
+    key = {"adamw_foreach": "params", "elementwise": "bytes", "reduction": "bytes", "random": "bytes"}.get(
+        kind, "flops"
+    )
     return {"kind": kind, "dtype": dtype, "shape": [], "flops": 0, "bytes": 0, key: size, "seconds": seconds}
 
 
@@ -53,6 +55,7 @@ def test_the_profiles_rates_are_read_log_linearly_and_stand_in_for_kinds_not_mea
     assert profile.rate("conv", "bf16", 1e12) == pytest.approx(400e12)  # no conv measured: matmul's
     assert profile.rate("attention", "fp16", 1e9) == pytest.approx(100e12)  # nor fp16: bf16's
     assert profile.rate("reduction", "fp32", 1e9) == pytest.approx(2e12)  # elementwise's bandwidth
+    assert profile.rate("random", "bf16", 1e6) == pytest.approx(1e12)  # no random fill measured: likewise
     with pytest.raises(ConfigError, match="no adamw_fused figures"):
         profile.rate("adamw_fused", "fp32", 1e6)
 
@@ -73,6 +76,22 @@ def test_each_kernel_takes_the_larger_of_its_flops_and_its_bytes_term():
     assert step.step_s == pytest.approx(2 * 5.51e-3 + 10e-3) and step.bound == "compute"
     assert step.samples_per_s(micro_batch=4, workers=2) == pytest.approx(2 * 4 * 2 / 21.02e-3)
     assert predict_step([skinny], profile).bound == "memory"
+
+
+def test_dropouts_random_mask_is_costed_at_the_profiles_random_fill_rate():
+    # On the 2-core CPU bernoulli_ filled 0.5 GB/s where a multiply moved 80 GB/s: a fifth of the seed
+    # model's step (torch.profiler), which elementwise's rate made free.
+    import torch
+
+    from ray_zero.train.op_costs import kind_of
+
+    aten = torch.ops.aten
+    assert kind_of(aten.bernoulli_.float) == kind_of(aten.native_dropout.default) == "random"
+    assert kind_of(aten.mul.Tensor) == "pointwise"
+    mask = OpCost("random", "bf16", count=4, flops=0, bytes=4e6)
+    slow = _content(rows=[*_content()["results"], _row("random", "bf16", 1e6, 1e6 / 1e9)])  # 1 GB/s
+    assert op_seconds(mask, profile_from(slow, "hand")) == pytest.approx((0.0, 4e-3))
+    assert op_seconds(mask, profile_from(_content(), "hand")) == pytest.approx((0.0, 4e-6))  # elementwise's
 
 
 def test_a_step_of_many_tiny_kernels_takes_the_hosts_time():
@@ -100,7 +119,7 @@ def test_the_profile_command_measures_every_kernel_class_on_the_cpu_within_its_b
     assert 1e-9 <= content["hook_s"] < 1e-4  # a no-op module hook: a Python call, about a microsecond
     rows = [r for r in content["results"] if "seconds" in r]
     kinds = {r["kind"] for r in rows}
-    assert kinds >= {"matmul", "attention", "conv", "elementwise", "reduction", "adamw_foreach"}
+    assert kinds >= {"matmul", "attention", "conv", "elementwise", "reduction", "random", "adamw_foreach"}
     assert all(r["seconds"] > 0 for r in rows)
     # every point, the launch and the hook figure: the fastest of REPEATS repeats, and their spread
     for figure in [*rows, content["launch"], content["hook"]]:  # a second pass while the budget lasts

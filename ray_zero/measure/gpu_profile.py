@@ -27,7 +27,9 @@ from ray_zero.measure.bandwidth import log_linear, read_command_file
 
 FILE_KIND = "ray_zero gpu profile"
 COMPUTE = ("matmul", "attention", "conv")
-MEMORY = ("elementwise", "reduction")
+MEMORY = ("elementwise", "reduction", "random")
+"""Kinds whose time is their bytes: random is a random fill (dropout's mask), which a CPU computes far more
+slowly per byte than a multiply (a profile without it reads it at elementwise's rate)."""
 OPTIMIZERS = ("adamw_foreach", "adamw_fused")
 OPTIMIZER = "adamw_foreach"
 """torch.optim.AdamW's default on CUDA (foreach), which every engine here steps (DeepSpeed's torch_adam)."""

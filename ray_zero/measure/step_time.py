@@ -4,7 +4,7 @@ roofline per kernel class, and the host's launches beside it. Pure: no torch.
 * Each bucket of alike operators (OpCost: kind, dtype, a size bucket) takes the larger of its FLOPs over
   what its kind reaches at its size per call, and its bytes over the bandwidth at its size per call
   (elementwise's, for a compute kind's bytes): "compute" where the first is larger, "memory" otherwise.
-  Memory kinds (elementwise, reduction) have bytes only.
+  Memory kinds (elementwise, reduction, random) have bytes only.
 * The host launches one kernel per operator (views launch none and are not in the list) at the profile's
   seconds per launch; it runs ahead of the GPU, so a micro-batch takes the larger of the device's sum and
   the host's.

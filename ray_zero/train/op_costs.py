@@ -3,6 +3,7 @@ formulas, torch.utils.flop_counter's registry), the bytes it reads and writes, i
 buckets of alike operators (kind, dtype, size within a factor of 2) for measure/step_time.py. torch only.
 
 * matmul, attention and conv: the operators torch's FLOP counter has a formula for;
+* random fills (dropout's mask): random, by bytes;
 * views and allocations launch no kernel and are left out;
 * every other operator is elementwise, or a reduction where its largest output is smaller than its
   largest input. Bytes: every tensor argument and output once, at its own size (an embedding's whole
@@ -25,6 +26,11 @@ CONV = {
     aten.convolution, aten._convolution, aten.cudnn_convolution, aten.convolution_overrideable,
     aten._slow_conv2d_forward, aten.convolution_backward,
 }  # fmt: skip
+RANDOM = {
+    aten.bernoulli, aten.bernoulli_, aten.native_dropout, aten.uniform_, aten.normal_, aten.rand,
+    aten.rand_like, aten.randn, aten.randn_like,
+}  # fmt: skip
+"""Operators that draw random numbers (dropout's mask): a kernel class of their own in the profile."""
 NO_KERNEL = {
     aten._unsafe_view, aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty,
     aten.new_empty_strided, aten.lift_fresh, aten._local_scalar_dense,
@@ -33,8 +39,8 @@ DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def kind_of(func) -> Optional[str]:
-    """matmul, attention, conv or pointwise (elementwise or reduction, told apart by the shapes); None for
-    an operator that launches no kernel."""
+    """matmul, attention, conv, random or pointwise (elementwise or reduction, told apart by the shapes);
+    None for an operator that launches no kernel."""
     packet = func._overloadpacket
     if func.is_view or packet in NO_KERNEL:
         return None
@@ -42,6 +48,8 @@ def kind_of(func) -> Optional[str]:
         return "matmul"
     if packet in CONV:
         return "conv"
+    if packet in RANDOM:
+        return "random"
     return "attention" if packet in flop_registry else "pointwise"
 
 
@@ -84,7 +92,9 @@ class OpCosts:
             return
         moved = sum(t.nbytes for t in inputs) + sum(t.nbytes for t in outputs)
         flops = 0
-        if kind == "pointwise":
+        if kind == "random":
+            pass  # bytes only: what it writes (and reads)
+        elif kind == "pointwise":
             largest_in = max((t.numel() for t in inputs), default=0)
             kind = "reduction" if max((t.numel() for t in outputs), default=0) < largest_in else "elementwise"
         else:  # torch's formula, once per shape (its pytree walk costs more than the rest of `add`)

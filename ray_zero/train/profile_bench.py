@@ -7,7 +7,8 @@ the next case would not fit what is left of its share):
 - scaled_dot_product_attention (causal, forward) over sequence lengths and head sizes: the kernel torch
   picks, FLOPs as torch's FLOP counter counts them (the full matrix: the causal saving is in the rate);
 - convolutions (forward) of a few ResNet-shaped layers;
-- elementwise (a multiply into another tensor) and reduction (a sum) bandwidth, by bytes;
+- elementwise (a multiply into another tensor) and reduction (a sum) bandwidth, by bytes, and random
+  fills (bernoulli_, dropout's mask) by bytes written;
 - torch.optim.AdamW's step, foreach (torch's default on CUDA) and fused, over fp32 parameters;
 - the host's seconds per launched kernel for eager PyTorch: a loop of tiny in-place adds, timed on the
   host without waiting for the device;
@@ -53,8 +54,8 @@ from ray_zero.train.cuda_kernels import attention_kernel
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 SHARES = {
-    "launch": 0.05, "matmul": 0.30, "attention": 0.20, "conv": 0.10, "elementwise": 0.10, "reduction": 0.05,
-    "adamw": 0.20,
+    "launch": 0.05, "matmul": 0.28, "attention": 0.20, "conv": 0.10, "elementwise": 0.10, "reduction": 0.05,
+    "random": 0.04, "adamw": 0.18,
 }  # fmt: skip
 """Each section's share of the budget."""
 SLEEP_CYCLES = 2_000_000
@@ -248,6 +249,12 @@ def _elementwise(device, dtype) -> Iterator:
         )
 
 
+def _random(device, dtype) -> Iterator:
+    for exponent in VECTOR_EXPONENTS:
+        a = torch.empty(2**exponent, device=device, dtype=dtype)
+        yield {"shape": [a.numel()], "bytes": a.numel() * a.element_size()}, lambda a=a: a.bernoulli_(0.9)
+
+
 def _reduction(device, dtype) -> Iterator:
     for exponent in VECTOR_EXPONENTS:
         a = torch.randn(2**exponent, device=device, dtype=dtype)
@@ -346,10 +353,12 @@ CASES = {
     "conv": _conv,
     "elementwise": _elementwise,
     "reduction": _reduction,
+    "random": _random,
 }
 CASE_COUNTS = {
     "matmul": len(MATMULS), "attention": len(ATTENTIONS), "conv": len(CONVS),
-    "elementwise": len(VECTOR_EXPONENTS), "reduction": len(VECTOR_EXPONENTS), "adamw": len(ADAMW_MILLIONS),
+    "elementwise": len(VECTOR_EXPONENTS), "reduction": len(VECTOR_EXPONENTS), "random": len(VECTOR_EXPONENTS),
+    "adamw": len(ADAMW_MILLIONS),
 }  # fmt: skip
 """Each section's cases: those not timed within its share are listed as left out."""
 
