@@ -15,15 +15,14 @@ change silently).
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import gzip
 import json
-import random
 import sys
 from pathlib import Path
 
-from common import ROOT, write_whole
+import split_file
+from common import ROOT
 
 SEED = 65
 CONFORMANCE = ROOT / "bench" / "results" / "conformance-cpu-2core"
@@ -57,10 +56,7 @@ def families(folder: Path = CONFORMANCE) -> dict[str, dict]:
 
 
 def split(ids, seed: int = SEED) -> dict[str, list[str]]:
-    order = sorted(ids)
-    random.Random(seed).shuffle(order)
-    cut = round(len(order) / 3)
-    return {"held_out": order[:cut], "tuning": order[cut:]}
+    return split_file.split(ids, seed)
 
 
 def made() -> dict:
@@ -83,27 +79,11 @@ def made() -> dict:
 
 
 def load_split(path: Path = SPLIT_FILE) -> dict:
-    """The committed split: {"seed", "rule", "held_out": [...], "tuning": [...], ...}."""
-    return json.loads(path.read_text())
+    return split_file.load(path)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--force", action="store_true", help="overwrite a committed split that differs")
-    args = parser.parse_args()
-    new = made()
-    if SPLIT_FILE.is_file():
-        old = load_split()
-        same = all(old.get(k) == new[k] for k in ("seed", "rule", "held_out", "tuning"))
-        if same:
-            print(f"{SPLIT_FILE.name}: unchanged ({new['counts']})")
-            return 0
-        if not args.force:
-            print(f"{SPLIT_FILE.name} differs from the split made now: left as it is (--force overwrites)")
-            return 1
-    write_whole(SPLIT_FILE, json.dumps(new, indent=1) + "\n")
-    print(f"{SPLIT_FILE.name}: written ({new['counts']})")
-    return 0
+    return split_file.keep(SPLIT_FILE, made(), lambda new: str(new['counts']), __doc__)
 
 
 if __name__ == "__main__":

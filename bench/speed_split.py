@@ -18,17 +18,16 @@ only with --force (the split must never change silently).
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import gzip
 import json
-import random
 import sys
 from collections import Counter
 from pathlib import Path
 
+import split_file
 import yaml
-from common import ROOT, write_whole
+from common import ROOT
 
 SEED = 67
 ROOTS = ("results", "bench/results")
@@ -93,10 +92,7 @@ def split_rows() -> list[dict]:
 
 
 def split(ids, seed: int = SEED) -> dict[str, list[str]]:
-    order = sorted(ids)
-    random.Random(seed).shuffle(order)
-    cut = round(len(order) / 3)
-    return {"held_out": order[:cut], "tuning": order[cut:]}
+    return split_file.split(ids, seed)
 
 
 def counts(rows: list[dict], lists: dict[str, list[str]]) -> dict:
@@ -128,8 +124,7 @@ def made() -> dict:
 
 
 def load_split(path: Path = SPLIT_FILE) -> dict:
-    """The committed split: {"seed", "rule", "held_out": [...], "tuning": [...], "counts", ...}."""
-    return json.loads(path.read_text())
+    return split_file.load(path)
 
 
 def side_of(family: str, split_: dict) -> str:
@@ -149,22 +144,7 @@ def _say(content: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--force", action="store_true", help="overwrite a committed split that differs")
-    args = parser.parse_args()
-    new = made()
-    if SPLIT_FILE.is_file():
-        old = load_split()
-        same = all(old.get(k) == new[k] for k in ("seed", "rule", "held_out", "tuning"))
-        if same:
-            print(f"{SPLIT_FILE.name}: unchanged ({_say(new)})")
-            return 0
-        if not args.force:
-            print(f"{SPLIT_FILE.name} differs from the split made now: left as it is (--force overwrites)")
-            return 1
-    write_whole(SPLIT_FILE, json.dumps(new, indent=1) + "\n")
-    print(f"{SPLIT_FILE.name}: written ({_say(new)})")
-    return 0
+    return split_file.keep(SPLIT_FILE, made(), _say, __doc__)
 
 
 if __name__ == "__main__":
