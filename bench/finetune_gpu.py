@@ -233,7 +233,7 @@ def run_family(job: dict, say, connection, record: dict) -> dict:
     import torch
     import yaml
     from population_cases import choose_micro_batch
-    from population_child import _provenance, _train_forms
+    from population_child import _provenance, _train_forms, plan_forms
 
     from ray_zero.config import Point, TrialSpec
     from ray_zero.experiment_file import validate_experiment
@@ -282,14 +282,7 @@ def run_family(job: dict, say, connection, record: dict) -> dict:
     predicted = {n: trial_row(s) for *_, specs in runs.values() for n, s in specs.items()}
     record["predicted_gib"] = {n: r.get("predicted_peak_gib") for n, r in predicted.items()}
     record["prepare_s"] = round(time.monotonic() - started, 1)
-    skipped = {
-        name: f"predicted {row['predicted_peak_gib']:.1f} GiB, over the GPU's {job['gpu_gib']:.1f} GiB"
-        for name, row in predicted.items()
-        if on_gpu and (row.get("predicted_peak_gib") or 0) > job["gpu_gib"]
-    }
-    peaks = [row.get("predicted_peak_gib") for name, row in predicted.items() if name not in skipped]
-    known = on_gpu and all(isinstance(p, (int, float)) for p in peaks)
-    need = (max(peaks) if peaks else 0.0) if known else None
+    skipped, need = plan_forms(predicted, job["gpu_gib"], on_gpu)
     if job["plan"]:  # no "plan" message: the driver has nothing to admit
         return {**record, "status": "planned", "error": None}
     say("plan", {"need_gib": need, "forms": record["predicted_gib"]})

@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from common import ROOT, one_line
 
@@ -177,17 +177,7 @@ def run_family(job: dict, say, connection, record: dict) -> dict:
     say("phase", "tracing")
     specs = form_specs(experiment, model, micro, on_gpu, job["folder"])
     predicted = {name: trial_row(spec) for name, spec in specs.items()}
-    # A form predicted over the whole GPU is not run (a skipped row, as a sweep's plan skips a point):
-    # its out-of-memory row would say nothing the prediction did not, and it would hold the GPU alone.
-    skipped = {
-        name: f"predicted {row['predicted_peak_gib']:.1f} GiB, over the GPU's {job['gpu_gib']:.1f} GiB"
-        for name, row in predicted.items()
-        if on_gpu and (row.get("predicted_peak_gib") or 0) > job["gpu_gib"]
-    }
-    peaks = [row.get("predicted_peak_gib") for name, row in predicted.items() if name not in skipped]
-    known = on_gpu and all(isinstance(p, (int, float)) for p in peaks)
-    need = (max(peaks) if peaks else 0.0) if known else None  # None: not predicted, the driver runs it alone
-
+    skipped, need = plan_forms(predicted, job["gpu_gib"], on_gpu)
     say("plan", {"need_gib": need, "forms": {n: r.get("predicted_peak_gib") for n, r in predicted.items()}})
     if connection.recv() != "go":
         return {**record, "status": "not run", "error": "the driver did not say go"}
@@ -207,6 +197,23 @@ def run_family(job: dict, say, connection, record: dict) -> dict:
         ),
     )
     return {**record, **_train_forms(job, specs, skipped, device, provenance, say)}
+
+
+def plan_forms(
+    predicted: dict[str, dict], gpu_gib: float, on_gpu: bool
+) -> tuple[dict[str, str], Optional[float]]:
+    """From each form's row as predicted (trial_row): the forms not run, with why, and the GPU memory the
+    rest need at most (None: not all predicted, the driver runs the family alone). A form predicted over
+    the whole GPU is not run (a skipped row, as a sweep's plan skips a point): its out-of-memory row would
+    say nothing the prediction did not, and it would hold the GPU alone."""
+    skipped = {
+        name: f"predicted {row['predicted_peak_gib']:.1f} GiB, over the GPU's {gpu_gib:.1f} GiB"
+        for name, row in predicted.items()
+        if on_gpu and (row.get("predicted_peak_gib") or 0) > gpu_gib
+    }
+    peaks = [row.get("predicted_peak_gib") for name, row in predicted.items() if name not in skipped]
+    known = on_gpu and all(isinstance(p, (int, float)) for p in peaks)
+    return skipped, (max(peaks) if peaks else 0.0) if known else None
 
 
 def _train_forms(job: dict, specs: dict, skipped: dict, device, provenance: dict, say) -> dict:
