@@ -144,17 +144,18 @@ def test_a_trial_driver_plans_its_share_again_from_its_engines_miss():
     need = memory_need(trial_row(spec), None, None)
     room = Room(0.92 * 80 * GIB, 0.0, 0.01)  # the step set aside smaller than this trial's corrected one
     spec = dataclasses.replace(spec, gpu_share=room.share(need, 1), gpu_room=room)
-    assert planned(spec, Corrections()) == (spec, {})
+    assert planned(spec, Corrections()) == (spec, trial_row(spec))  # its row, nothing corrected
     found = Corrections(
         {("deepspeed", False): correction.Correction("stage1_mb64_w1", ("deepspeed", False), 1.2, 6.0, "")}
     )
     again, fields = planned(spec, found)
     assert again.gpu_share > spec.gpu_share and fields["corrected_from"].startswith("stage1_mb64_w1 measured")
+    assert fields == trial_row(again) | {k: fields[k] for k in ("corrected_from", "corrected_peak_gib")}
     assert fields["corrected_peak_gib"] == pytest.approx(trial_row(spec)["predicted_peak_gib"] + 6.0)
     # Another engine's miss, or a trial that runs alone, keeps its plan.
     other = Corrections(
         {("fsdp", False): dataclasses.replace(found.by_engine[("deepspeed", False)], engine=("fsdp", False))}
     )
-    assert planned(spec, other) == (spec, {})
+    assert planned(spec, other) == (spec, trial_row(spec))
     alone = dataclasses.replace(spec, gpu_share=1.0)
     assert planned(alone, found)[0] == alone

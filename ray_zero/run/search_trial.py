@@ -266,7 +266,10 @@ def _planned(search: SearchSpec, corrections: Corrections) -> SearchSpec:
     """A search not yet probed takes its engine's correction, if a probe before it missed its band."""
     if search.done or search.correction is not None or search.target != "micro_batch":
         return search
-    found = corrections.for_row(trial_row(search.spec))
+    point = search.spec.point
+    found = corrections.for_row(
+        {"backend": point.backend, "activation_checkpointing": point.activation_checkpointing}
+    )
     return dataclasses.replace(search, correction=found) if found else search
 
 

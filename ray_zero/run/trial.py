@@ -232,8 +232,7 @@ def run_trial(config: dict[str, Any]) -> None:
     context = tune.get_context()
     trial_key = spec.name + context.get_trial_id()  # the trial log's key: built here only, passed on
     log = ray.get_actor(config["log_name"])
-    spec, corrected = planned(spec, ray.get(log.corrections.remote()))
-    row = trial_row(spec) | corrected
+    spec, row = planned(spec, ray.get(log.corrections.remote()))
     bound = trial_bound_s(spec)
     fit_started_at = time.time()
     impossible = unplaceable(spec)
@@ -301,19 +300,20 @@ def run_trial(config: dict[str, Any]) -> None:
 
 
 def planned(spec: TrialSpec, corrections: correction.Corrections) -> tuple[TrialSpec, dict[str, Any]]:
-    """The trial as planned once the trials before it have run: where one of its engine measured a peak
-    above its band (ray_zero/measure/correction.py), its row says so and, on a shared GPU, its share is
-    made again from the corrected need."""
+    """The trial as planned once the trials before it have run, and its row (trial_row): where one of its
+    engine measured a peak above its band (ray_zero/measure/correction.py), the row says so and, on a
+    shared GPU, its share is made again from the corrected need."""
     row = trial_row(spec)
     found = corrections.for_row(row)
-    fields = correction.corrected_fields(row, found)
-    if not fields or spec.gpu_room is None or spec.gpu_share >= 1.0:
-        return spec, fields
+    row.update(correction.corrected_fields(row, found))
+    if "corrected_from" not in row or spec.gpu_room is None or spec.gpu_share >= 1.0:
+        return spec, row
     saved = getattr(spec.model, "saved_bytes_per_sample", None)
     share = corrected_share(
         row, spec.gpu_room, spec.gpu_share, found, spec.calibration, saved, spec.point.num_workers
     )
-    return dataclasses.replace(spec, gpu_share=share), fields
+    row["gpu_share"] = share  # the rest of the row does not depend on the share
+    return dataclasses.replace(spec, gpu_share=share), row
 
 
 def _fit(trainer: TorchTrainer, outcome: dict[str, Any]) -> None:
