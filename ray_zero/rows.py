@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from ray_zero.measure import comm_model, error_band, partitions
 from ray_zero.measure.memory_model import HELD_COLUMNS, engine_for_row, predict_point
-from ray_zero.measure.point_speed import point_speed
+from ray_zero.measure.point_speed import speed_fields
 from ray_zero.measure.prediction import GIB
 from ray_zero.schema import RANK, TRIAL
 
@@ -102,7 +102,7 @@ def aggregate_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 def trial_row(spec) -> dict[str, Any]:
     """What is known of a trial (a config.TrialSpec) before it runs: its grid point and settings, the
     memory model's prediction for it, made here once (`prediction_fields`), and its step time on the
-    profile the spec carries (`speed_fields`)."""
+    profile the spec carries (measure/point_speed.speed_fields)."""
     row = _point_row(spec)
     row.update(_traced(spec, row))
     row.update(prediction_fields(row, getattr(spec, "calibration", None)))
@@ -162,48 +162,6 @@ def traced_fields(row: dict[str, Any], traced, accumulation: int = 1) -> dict[st
         "trace_attention": ", ".join(f"{kind} x{count}" for kind, count in step.attention) or "none",
         "trace_peak_ops": ", ".join(f"{op} {size / GIB:.3g}" for op, size in step.composition[:5]),
     }
-
-
-SPEED_TERMS = ("compute", "memory", "host", "hooks", "optimizer", "comm")
-"""The predicted step's terms (measure/point_speed.PointSpeed.terms_ms), each stored as predicted_*_ms."""
-
-
-def speed_fields(spec) -> dict[str, Any]:
-    """The point's step predicted on the profile the spec carries (runtime.profile), from its traced step
-    (measure/point_speed.py, as `estimate --profile` predicts it): step ms, samples/s of all workers, the
-    term that bounds it and each term; blank, with why, where there is no profile or no traced step."""
-    profile = getattr(spec, "profile", None)
-    if profile is None:
-        return {"speed_note": "no profile given (runtime.profile)"}
-    fields: dict[str, Any] = {"speed_profile": profile.source}
-    traced, micro = getattr(spec, "activations", None), spec.point.micro_batch_size
-    if traced is None or isinstance(traced, str):
-        return fields | {"speed_note": f"step not traced{f': {traced}' if traced else ''}"}
-    step = traced.at(micro)
-    if step is None or not step.ops:
-        return fields | {"speed_note": f"step not traced at micro-batch {micro} (the grid's sizes are)"}
-    experiment = spec.experiment
-    predicted = point_speed(
-        step.ops,
-        spec.model,
-        spec.point,
-        profile,
-        spec.precision,
-        experiment.gradient_accumulation_steps,
-        experiment.reduce_bucket_size,
-    )
-    terms = predicted.terms_ms() | ({} if profile.hook_s else {"hooks": None})
-    fields |= {
-        "predicted_step_ms": predicted.step.step_s * 1e3,
-        "predicted_samples_per_s": predicted.samples_per_s,
-        "predicted_speed_bound": predicted.step.bound,
-        **{f"predicted_{term}_ms": terms[term] for term in SPEED_TERMS},
-    }
-    left_out = [
-        *(["the engine's hooks (the profile has no seconds per hook)"] if not profile.hook_s else []),
-        *(["communication (no bandwidth given)"] if not predicted.comm_counted else []),
-    ]
-    return fields | ({"speed_note": "not counted: " + "; ".join(left_out)} if left_out else {})
 
 
 def prediction_fields(row: dict[str, Any], calibration: Optional[dict] = None) -> dict[str, Any]:

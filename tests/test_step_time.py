@@ -235,9 +235,9 @@ def test_estimate_with_a_profile_predicts_each_points_step_and_what_bounds_it(tm
 
 
 def test_a_cpu_sweep_row_stores_its_step_predicted_on_a_cpu_profile_beside_the_measured(ranks, tmp_path):
-    # runtime.profile's path through a row (rows.speed_fields): the profile the driver read travels in the
-    # spec with the traced step; the row made from 2 real ranks (DDP on gloo) carries the prediction, its
-    # terms and bound, and measured over predicted; results.md shows them beside the measured samples/s.
+    # runtime.profile's path through a row (point_speed.speed_fields): the profile the driver read travels
+    # in the spec with the traced step; the row made from 2 real ranks (DDP on gloo) carries the prediction,
+    # its terms and bound, and measured over predicted; results.md shows them beside the measured samples/s.
     import dataclasses
 
     from rank_group import experiment_of, trial_spec

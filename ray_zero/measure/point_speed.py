@@ -1,13 +1,14 @@
 """A grid point's step predicted on a profiled device: its traced step's kernels (measure/step_time.py),
 an AdamW step over the parameters its fullest rank steps (measure/partitions.py), the engine's hooks and
 the communication its overlap rule leaves exposed (measure/engine_time.py). What `estimate --profile`
-prints for a point and what a sweep's row stores with its terms (rows.py). Pure: no torch.
+prints for a point and what a sweep's row stores with its terms (`speed_fields`, for rows.py). Pure: no
+torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from ray_zero.measure.bandwidth import Bandwidth
 from ray_zero.measure.engine_time import EngineTime, engine_time
@@ -61,3 +62,45 @@ def point_speed(
     step, engine = engine_time(kernels, model, point, precision, bandwidth, profile.hook_s, bucket_elements)
     samples_per_s = step.samples_per_s(point.micro_batch_size, point.num_workers)
     return PointSpeed(step, engine, samples_per_s, bandwidth is not None or point.num_workers < 2)
+
+
+SPEED_TERMS = ("compute", "memory", "host", "hooks", "optimizer", "comm")
+"""The predicted step's terms (PointSpeed.terms_ms), each stored in a row as predicted_*_ms."""
+
+
+def speed_fields(spec) -> dict[str, Any]:
+    """The point's step predicted on the profile the spec carries (runtime.profile), from its traced step
+    (`point_speed`, as `estimate --profile` predicts it): step ms, samples/s of all workers, the
+    term that bounds it and each term; blank, with why, where there is no profile or no traced step."""
+    profile = getattr(spec, "profile", None)
+    if profile is None:
+        return {"speed_note": "no profile given (runtime.profile)"}
+    fields: dict[str, Any] = {"speed_profile": profile.source}
+    traced, micro = getattr(spec, "activations", None), spec.point.micro_batch_size
+    if traced is None or isinstance(traced, str):
+        return fields | {"speed_note": f"step not traced{f': {traced}' if traced else ''}"}
+    step = traced.at(micro)
+    if step is None or not step.ops:
+        return fields | {"speed_note": f"step not traced at micro-batch {micro} (the grid's sizes are)"}
+    experiment = spec.experiment
+    predicted = point_speed(
+        step.ops,
+        spec.model,
+        spec.point,
+        profile,
+        spec.precision,
+        experiment.gradient_accumulation_steps,
+        experiment.reduce_bucket_size,
+    )
+    terms = predicted.terms_ms() | ({} if profile.hook_s else {"hooks": None})
+    fields |= {
+        "predicted_step_ms": predicted.step.step_s * 1e3,
+        "predicted_samples_per_s": predicted.samples_per_s,
+        "predicted_speed_bound": predicted.step.bound,
+        **{f"predicted_{term}_ms": terms[term] for term in SPEED_TERMS},
+    }
+    left_out = [
+        *(["the engine's hooks (the profile has no seconds per hook)"] if not profile.hook_s else []),
+        *(["communication (no bandwidth given)"] if not predicted.comm_counted else []),
+    ]
+    return fields | ({"speed_note": "not counted: " + "; ".join(left_out)} if left_out else {})
