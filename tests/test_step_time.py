@@ -273,6 +273,15 @@ def test_a_cpu_sweep_row_stores_its_step_predicted_on_a_cpu_profile_beside_the_m
     ratio = row["samples_per_s"] / row["predicted_samples_per_s"]
     assert row["measured_over_predicted_speed"] == pytest.approx(ratio)
     assert profile.hardware in row["speed_profile"]  # the device the profile measured
+    # estimate, at the row's precision, predicts the same step for the same point
+    overrides = ["grid.backend=[torch_zero]", "grid.stage=[0]", "grid.micro_batch_size=[16]", "steps=6"]
+    found = ray_zero.estimate(
+        "experiments/quick.yaml", workers=[2], precision=spec.precision, profile=tmp_path / "cpu.json",
+        overrides=overrides,
+    ).table  # fmt: skip
+    assert found["step_ms"].tolist() == [pytest.approx(row["predicted_step_ms"], rel=1e-12)]
+    samples = row["predicted_samples_per_s"]
+    assert found["predicted_samples_per_s"].tolist() == [pytest.approx(samples, rel=1e-12)]
 
     append_trial(tmp_path, row)  # every column registered (a key the registry lacks is refused)
     write_results(tmp_path, load_trials(tmp_path), None)
