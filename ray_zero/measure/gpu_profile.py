@@ -83,7 +83,8 @@ def profile_from(content: dict, source: str) -> Profile:
     """A Profile from a profile file's content (as `profile` writes it)."""
     curves: dict[tuple[str, str], dict[float, list[float]]] = {}
     for row in content.get("results", []):
-        if float(row.get("seconds", 0)) > 0:
+        # a vocabulary head's matmul (bucket "head") stays out of the square and block shapes' FLOPs curve
+        if float(row.get("seconds", 0)) > 0 and row.get("bucket") != "head":
             curves.setdefault((row["kind"], row["dtype"]), {}).setdefault(_size(row), []).append(rate_of(row))
     # shapes of equal size (a tall and a square matmul of the same FLOPs) share one point: their mean
     averaged = {key: sorted((s, sum(r) / len(r)) for s, r in by.items()) for key, by in curves.items()}

@@ -185,10 +185,12 @@ def hook_summary(passes: list[list[tuple[float, float]]], calls: int = 300) -> d
 
 MATMULS = sorted(
     [(n, n, n) for n in (256, 512, 1024, 2048, 4096, 8192)]
-    + [(t, n, k) for t in (2048, 8192, 32768) for n, k in ((768, 768), (3072, 768), (768, 3072))],
+    + [(t, n, k) for t in (2048, 8192, 32768) for n, k in ((768, 768), (3072, 768), (768, 3072))]
+    + [(t, n, k) for t in (2048, 8192) for n, k in ((50257, 768), (32000, 2048))],
     key=lambda s: s[0] * s[1] * s[2],
 )
-"""(M, N, K) of the matmul cases, by FLOPs."""
+"""(M, N, K) of the matmul cases, by FLOPs: square, a transformer block's, and a vocabulary head's (GPT-2's
+odd 50,257 columns, Llama's 32,000): a wide or misaligned output runs below a square of the same FLOPs."""
 ATTENTIONS = sorted((seq, head) for seq in (256, 512, 1024, 2048, 4096, 8192) for head in (64, 128))
 """(sequence, head size) of the attention cases."""
 CONVS = [
@@ -210,7 +212,9 @@ def _matmul(device, dtype) -> Iterator:
     for m, n, k in MATMULS:
         a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
         moved = (m * k + k * n + m * n) * a.element_size()
-        yield {"shape": [m, n, k], "flops": 2 * m * n * k, "bytes": moved}, lambda a=a, b=b: torch.mm(a, b)
+        bucket = "head" if n > 16384 else "square" if m == n == k else "block"
+        row = {"shape": [m, n, k], "bucket": bucket, "flops": 2 * m * n * k, "bytes": moved}
+        yield row, lambda a=a, b=b: torch.mm(a, b)
 
 
 def _attention(device, dtype) -> Iterator:
