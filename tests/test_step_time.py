@@ -17,7 +17,7 @@ from ray_zero.__main__ import main
 from ray_zero.config import ConfigError
 from ray_zero.measure.gpu_profile import FILE_KIND, profile_from, profile_notes, read_profile
 from ray_zero.measure.step_time import OpCost, op_seconds, predict_step
-from ray_zero.train import profile_bench
+from ray_zero.train import profile_bench, profile_cases
 from ray_zero.train.profile_bench import REPEATS, repeats_summary, seconds_per_call
 
 OLD_PROFILE = Path(__file__).parent.parent / "bench/results/speed-accuracy-cpu-2core/cpu_profile_a.json"
@@ -163,8 +163,8 @@ def test_a_point_keeps_its_fastest_repeat_and_the_repeats_spread():
 def test_the_profile_times_every_point_again_in_a_second_pass_while_the_budget_lasts(monkeypatch):
     # the real two passes, over fewer cases: 16 K and 64 K elements, 1 M parameters
     monkeypatch.setattr(profile_bench, "CASES", {"elementwise": profile_bench.CASES["elementwise"]})
-    monkeypatch.setattr(profile_bench, "VECTOR_EXPONENTS", range(14, 17, 2))
-    monkeypatch.setattr(profile_bench, "ADAMW_MILLIONS", (1,))
+    monkeypatch.setattr(profile_cases, "VECTOR_EXPONENTS", range(14, 17, 2))
+    monkeypatch.setattr(profile_cases, "ADAMW_MILLIONS", (1,))
     started = time.perf_counter()
     figures = profile_bench.measure(torch.device("cpu"), budget_s=20)
     assert time.perf_counter() - started < 5
