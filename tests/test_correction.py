@@ -109,7 +109,7 @@ def test_fits_first_guess_takes_its_engines_measured_term_where_it_is_above_the_
 
     from ray_zero.config import Point
     from ray_zero.measure.search import Steps
-    from ray_zero.train.probing import SearchSpec
+    from ray_zero.train.search_spec import SearchSpec
 
     # The 806 M preset on one GPU, fp16, DeepSpeed stage 1: its activations from the preset's shapes.
     experiment = experiment_of(ROOT / "experiments" / "engines_large.yaml", "precision=fp16").probe(3)

@@ -233,7 +233,7 @@ def test_searches_that_share_their_workers_share_a_run_unless_there_is_room_for_
 
     from ray_zero.config import Point
     from ray_zero.run.fit import in_runs
-    from ray_zero.train.probing import SearchSpec
+    from ray_zero.train.search_spec import SearchSpec
 
     experiment = experiment_of(ROOT / "experiments" / "fit_gpt2_cpu.yaml")
     points = [
@@ -264,7 +264,7 @@ def _seq_len_search(budget: float, **fields):
 
     from ray_zero.config import Point
     from ray_zero.measure.search import FitSettings
-    from ray_zero.train.probing import SearchSpec
+    from ray_zero.train.search_spec import SearchSpec
 
     experiment = experiment_of(ROOT / "experiments" / "fit_gpt2_cpu.yaml", "precision=bf16").probe(3)
     steps = FitSettings(target="seq_len").steps([16], max_positions=512)

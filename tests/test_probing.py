@@ -24,7 +24,8 @@ from ray_zero.config import Point
 from ray_zero.measure import calibration
 from ray_zero.measure.search import Steps
 from ray_zero.models.spec import ModelSpec, copied
-from ray_zero.train.probing import LEAK_TOLERANCE_BYTES, SearchSpec
+from ray_zero.train.probing import LEAK_TOLERANCE_BYTES
+from ray_zero.train.search_spec import SearchSpec
 
 FIT = ROOT / "experiments" / "fit_gpt2_cpu.yaml"
 MIB, GIB = 2**20, 2**30

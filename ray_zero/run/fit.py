@@ -38,7 +38,7 @@ from ray_zero.run.session import Session
 from ray_zero.run.sweep import SweepIncomplete
 from ray_zero.store import load_trials
 from ray_zero.train.grid_trace import trace_grid
-from ray_zero.train.probing import SearchSpec, calibration_probes
+from ray_zero.train.search_spec import SearchSpec, calibration_probes
 
 PROBE_STEPS = 3
 """Steps of a probe (1 of warm-up): the peak comes with the first optimizer steps."""

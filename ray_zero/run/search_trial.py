@@ -32,7 +32,7 @@ from ray_zero.measure.correction import Corrections
 from ray_zero.measure.prediction import GIB
 from ray_zero.rows import aggregate_ranks, finish_row, trial_row
 from ray_zero.run.trial import failure_fields, torch_trainer, train_environment
-from ray_zero.train.probing import RecordedProbe, SearchSpec, calibration_probes
+from ray_zero.train.search_spec import RecordedProbe, SearchSpec, calibration_probes
 
 POLL_S = 0.5
 """How often the driver looks for new probe reports while its run trains."""
