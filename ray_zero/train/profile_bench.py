@@ -3,7 +3,7 @@ fitted to model runs), within a time budget; read by ray_zero/measure/gpu_profil
 
 Measured, each section in its share of the budget, its cases from small to large (a section stops where
 the next case would not fit what is left of its share):
-- matmul (torch.mm) over square and transformer-shaped (tokens x hidden) M, N, K, per dtype;
+- matmul (torch.mm) over square, transformer-shaped (tokens x hidden) and vocabulary-head M, N, K, per dtype;
 - scaled_dot_product_attention (causal, forward) over sequence lengths and head sizes: the kernel torch
   picks, FLOPs as torch's FLOP counter counts them (the full matrix: the causal saving is in the rate);
 - convolutions (forward) of a few ResNet-shaped layers;
@@ -212,8 +212,8 @@ def measure(device: torch.device, budget_s: float) -> dict:
                 now = time.perf_counter()
                 points[-1].append(now - case_started)
                 if now - started + GROWTH * (now - case_started) > share:
-                    if len(points) < case_count(kind.split("_")[0]):  # the next, larger case would overrun
-                        left = case_count(kind.split("_")[0]) - len(points)
+                    left = case_count(kind.split("_")[0]) - len(points)
+                    if left > 0:  # the next, larger case would overrun
                         left_out.append({"kind": kind, "dtype": dtype, "cases": left, "after": row["shape"]})
                     break
                 case_started = now
